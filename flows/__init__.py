@@ -1,0 +1,1 @@
+"""Prefect flows. `retrain` is the main job; deployments are declared in prefect.yaml."""

@@ -1,0 +1,48 @@
+"""The `retrain` flow: one MLflow parent run, the DVC stages in DVC's order, a summary.
+
+Runs on Prefect's ephemeral local API by default, on a Prefect server when
+`PREFECT_API_URL` is set. Each stage is a `run_stage` task (retried on failure) that
+runs `dvc repro --single-item` under an MLflow child run.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import mlflow
+import yaml
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+
+from posttrain import summary
+from posttrain.config import load_config
+from posttrain.io import flatten
+from posttrain.tracking import dvc_lock_hashes, experiment_id, provenance, tracking_uri
+from tasks.dvc_stages import push_data, run_stage, stage_order
+
+
+@flow(name="retrain")
+def retrain(config_path: str = "configs/pipeline.yaml", workdir: str = ".") -> dict:
+    """Run the pipeline of `workdir` (a git + DVC repo) with `config_path` as its params."""
+    logger = get_run_logger()
+    workdir = str(Path(workdir).resolve())
+    config = load_config(Path(workdir) / config_path)
+    uri = tracking_uri(config, workdir)
+    exp = experiment_id(config, workdir)
+    stage_task = run_stage.with_options(retries=config.orchestration.retries,
+                                        retry_delay_seconds=config.orchestration.retry_delay_seconds)
+    with mlflow.start_run(experiment_id=exp, run_name=f"retrain-{time.strftime('%Y%m%d-%H%M%S')}") as parent:
+        mlflow.set_tags({**provenance(config, workdir), "posttrain.flow": "retrain"})
+        mlflow.log_text(yaml.safe_dump(config.model_dump(), sort_keys=False), "config.resolved.yaml")
+        results = {}
+        for stage in stage_order(workdir):
+            results[stage["name"]] = stage_task(stage, workdir, parent.info.run_id, uri)
+        mlflow.set_tags(dvc_lock_hashes(workdir))
+        mlflow.log_metrics(flatten(results))
+        mlflow.log_artifact(str(Path(workdir) / "dvc.lock"))
+        logger.info(push_data(workdir))
+        text = summary.render(results.get("evaluate", {}), results.get("serving", {}), parent.info.run_id, uri)
+    create_markdown_artifact(text, key="retrain-summary", description="posttrain retrain summary")
+    print(text)
+    return results

@@ -1,0 +1,105 @@
+"""The `posttrain` command: parses arguments and calls the library, nothing more.
+
+Bad input of any kind exits 2 with one line on stderr and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from posttrain.errors import UserError
+
+# Offline by default: real models are local paths; Prefect and DVC send no telemetry.
+OFFLINE_DEFAULTS = {
+    "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+    "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DVC_NO_ANALYTICS": "1",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+}
+
+# Path arguments of each stage command; dvc.yaml names the paths, the stage's main takes them.
+STAGE_ARGS = {
+    "prepare": ["data_dir", "model_dir", "metrics_path"],
+    "sft": ["data_dir", "base_dir", "out_dir", "checkpoint_dir", "metrics_path"],
+    "grpo": ["data_dir", "init_dir", "out_dir", "checkpoint_dir", "metrics_path", "curve_path"],
+    "serving": ["model_dir", "gpus_path", "report_path", "metrics_path"],
+    "evaluate": ["data_dir", "models", "metrics_path", "accuracy_plot", "pass_at_k_plot"],
+}
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse prints usage too)
+        raise UserError(self.prog, message, f"see '{self.prog} --help'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="posttrain", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    check = sub.add_parser("check", help="validate a config and exit")
+    check.add_argument("--config", required=True)
+    stage = sub.add_parser("stage", help="run one pipeline stage (dvc.yaml calls this)")
+    stage_sub = stage.add_subparsers(dest="stage", required=True, parser_class=Parser)
+    for name, args in STAGE_ARGS.items():
+        one = stage_sub.add_parser(name)
+        one.add_argument("--config", required=True)
+        for arg in args:
+            one.add_argument("--" + arg.replace("_", "-"), dest=arg, required=True)
+    run = sub.add_parser("run", help="run the retrain flow (Prefect) on a workspace")
+    run.add_argument("--config", default="configs/pipeline.yaml")
+    run.add_argument("--workdir", default=".")
+    add_kv_parser(sub)
+    return parser
+
+
+def add_kv_parser(sub) -> None:
+    kv = sub.add_parser("kv", help="KV-cache capacity of a model on a GPU, from its config.json")
+    kv.add_argument("model", help="model folder or config.json")
+    kv.add_argument("--gpu", default="H100-80GB")
+    kv.add_argument("--gpus", default="configs/gpus.yaml", help="GPU profiles file")
+    kv.add_argument("--kv-memory-gib", type=float, help="KV memory per GPU, exactly (vLLM kv_cache_memory_bytes)")
+    kv.add_argument("--gpu-memory-utilization", type=float, default=0.92)
+    kv.add_argument("--context", type=int, default=8192)
+    kv.add_argument("--tp", type=int, default=1)
+    kv.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto")
+    kv.add_argument("--block-size", type=int, default=16)
+    kv.add_argument("--json", action="store_true")
+
+
+def dispatch(args) -> int:
+    from posttrain.config import load_config
+
+    if args.command == "check":
+        load_config(args.config)
+        print(f"{args.config}: ok")
+    elif args.command == "stage":
+        config = load_config(args.config, check_trl=False)
+        kwargs = {a: getattr(args, a) for a in STAGE_ARGS[args.stage]}
+        if "models" in kwargs:
+            kwargs["models"] = dict(pair.split("=", 1) for pair in kwargs["models"].split(","))
+        import importlib
+        metrics = importlib.import_module(f"posttrain.stages.{args.stage}").main(config, **kwargs)
+        print(json.dumps(metrics, indent=2, sort_keys=True))
+    elif args.command == "run":
+        load_config(args.config)
+        from flows.retrain import retrain
+        retrain(config_path=args.config, workdir=args.workdir)
+    elif args.command == "kv":
+        from posttrain.kv_cli import run_kv
+        return run_kv(args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    for key, value in OFFLINE_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    try:
+        return dispatch(build_parser().parse_args(argv))
+    except UserError as err:
+        print(f"posttrain: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The pipeline config: one YAML file, validated whole before any compute.
+
+A variant file may say `extends: other.yaml` and hold only its overrides (deep-merged).
+Every error is a `UserError` naming the file, the field and the fix in one line.
+Stage `trl:` blocks pass unchanged into TRL's `SFTConfig` / `GRPOConfig`; validation
+builds those objects so TRL's own invariants (e.g. whole groups of `num_generations`
+per batch) are checked here, before training starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from posttrain.errors import UserError
+
+# TRL options posttrain sets itself from dvc.yaml paths and tracking; users set them elsewhere.
+OWNED_TRL_KEYS = {"output_dir": "set by dvc.yaml", "report_to": "posttrain always logs to MLflow",
+                  "run_name": "set by the pipeline", "logging_dir": "set by dvc.yaml"}
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TinyModel(Section):
+    """Shape of the locally built tiny Llama (used when `model.path` is null)."""
+    hidden_size: int = Field(128, gt=0, description="Width of the residual stream.")
+    num_layers: int = Field(4, gt=0, description="Decoder layers.")
+    num_heads: int = Field(4, gt=0, description="Query heads; must divide hidden_size.")
+    num_kv_heads: int = Field(2, gt=0, description="Key/value heads (GQA); must divide num_heads.")
+    intermediate_size: int = Field(512, gt=0, description="MLP width.")
+    max_positions: int = Field(64, gt=0, description="Longest sequence in tokens.")
+
+
+class ModelSection(Section):
+    path: str | None = Field(None, description="Local Hugging Face model folder; null builds the tiny model.")
+    tiny: TinyModel = TinyModel()
+
+
+class DataSection(Section):
+    env: Literal["arithmetic"] = Field("arithmetic", description="Environment name (posttrain.envs).")
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword options of the environment.")
+
+
+class SFTSection(Section):
+    trl: dict[str, Any] = Field(default_factory=dict, description="Passed to trl.SFTConfig unchanged.")
+
+
+class GRPOStage(Section):
+    name: str = Field(..., pattern=r"^[a-z][a-z0-9_]*$", description="Stage name (DVC / MLflow).")
+    rewards: list[str] = Field(["correctness"], min_length=1, description="Reward channels (posttrain.rewards).")
+    trl: dict[str, Any] = Field(default_factory=dict, description="Passed to trl.GRPOConfig unchanged.")
+
+
+class ServingSection(Section):
+    gpu: str = Field("H100-80GB", description="GPU profile name from configs/gpus.yaml.")
+    context_length: int = Field(8192, gt=0, description="Tokens per session.")
+    gpu_memory_utilization: float = Field(0.92, gt=0, le=1, description="vLLM's share of GPU memory.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs the model is split over.")
+    kv_dtype: Literal["auto", "fp8"] = Field("auto", description="KV-cache dtype (auto = model dtype).")
+    block_size: int = Field(16, gt=0, description="Tokens per KV block (vLLM's GPU default).")
+
+
+class EvaluateSection(Section):
+    max_new_tokens: int = Field(8, gt=0, description="Tokens generated per completion.")
+    n_samples: int = Field(16, gt=0, description="Samples per prompt for pass@k.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature for pass@k.")
+    k: list[int] = Field([1, 4, 8], min_length=1, description="k values for pass@k; each <= n_samples.")
+    max_prompts: int | None = Field(None, gt=0, description="Evaluate at most this many held-out prompts.")
+
+
+class TrackingSection(Section):
+    uri: str | None = Field(None, description="MLflow tracking URI; null = sqlite:///mlflow.db in the workspace. "
+                                              "MLFLOW_TRACKING_URI overrides it.")
+    experiment: str = Field("posttrain", description="MLflow experiment name.")
+
+
+class OrchestrationSection(Section):
+    retries: int = Field(1, ge=0, description="Prefect retries of a failed stage task.")
+    retry_delay_seconds: float = Field(5, ge=0, description="Wait between retries.")
+
+
+class PipelineConfig(Section):
+    seed: int = Field(0, description="Seed for data, model init, training and sampling.")
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    sft: SFTSection = SFTSection()
+    grpo: list[GRPOStage] = Field(..., min_length=1, description="GRPO stages, run in order.")
+    serving: ServingSection = ServingSection()
+    evaluate: EvaluateSection = EvaluateSection()
+    tracking: TrackingSection = TrackingSection()
+    orchestration: OrchestrationSection = OrchestrationSection()
+
+    @field_validator("grpo")
+    @classmethod
+    def _unique_names(cls, stages):
+        names = [s.name for s in stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names must be unique, got {names}")
+        return stages
+
+
+def read_config_dict(path: Path) -> dict:
+    """The config file as a plain dict, with any `extends:` chain merged in."""
+    if not path.is_file():
+        raise UserError(str(path), "config file not found", "pass an existing YAML file with --config")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(str(path), f"not valid YAML{line}", "fix the YAML syntax") from None
+    if not isinstance(data, dict):
+        raise UserError(str(path), "top level is not a mapping", "write the config as `key: value` pairs")
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    return _deep_merge(read_config_dict(path.parent / parent), data)
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    """`override` on top of `base`; mappings merge, everything else (lists too) replaces."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _field_path(loc: tuple) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+
+
+def _schema_error(path: Path, err: ValidationError) -> UserError:
+    first = err.errors()[0]
+    field = _field_path(first["loc"])
+    if first["type"] == "extra_forbidden":
+        return UserError(f"{path}: {field}", "unknown key", "remove it or check its spelling (see README, Config)")
+    if first["type"] == "missing":
+        return UserError(f"{path}: {field}", "required key is missing", "add it (see README, Config)")
+    return UserError(f"{path}: {field}", first["msg"].replace("\n", " "),
+                     f"set a valid value (got {first.get('input')!r})")
+
+
+def load_config(path: str | Path, *, check_trl: bool = True) -> PipelineConfig:
+    """Read, merge, and validate a pipeline config; raises `UserError` on any problem."""
+    path = Path(path)
+    raw = read_config_dict(path)
+    try:
+        config = PipelineConfig.model_validate(raw)
+    except ValidationError as err:
+        raise _schema_error(path, err) from None
+    _check_semantics(path, config)
+    if check_trl:
+        check_trl_blocks(path, config)
+    return config
+
+
+def _check_semantics(path: Path, config: PipelineConfig) -> None:
+    from posttrain.envs import get_env
+    from posttrain.rewards import REWARDS
+
+    bad_k = [k for k in config.evaluate.k if not 1 <= k <= config.evaluate.n_samples]
+    if bad_k:
+        raise UserError(f"{path}: evaluate.k", f"k={bad_k[0]} is outside 1..n_samples ({config.evaluate.n_samples})",
+                        "use k values between 1 and evaluate.n_samples, or raise n_samples")
+    try:
+        get_env(config.data.env, **config.data.options)
+    except TypeError as err:
+        raise UserError(f"{path}: data.options", str(err), "use the options the environment documents") from None
+    for i, stage in enumerate(config.grpo):
+        for name in stage.rewards:
+            if name not in REWARDS:
+                raise UserError(f"{path}: grpo[{i}].rewards", f"unknown reward channel {name!r}",
+                                f"use one of {sorted(REWARDS)}")
+    tiny = config.model.tiny
+    if config.model.path is None and (tiny.hidden_size % tiny.num_heads or tiny.num_heads % tiny.num_kv_heads):
+        raise UserError(f"{path}: model.tiny", "num_heads must divide hidden_size and num_kv_heads num_heads",
+                        "pick head counts that divide evenly")
+    if config.model.path is not None and not (Path(config.model.path) / "config.json").is_file():
+        raise UserError(f"{path}: model.path", f"{config.model.path} is not a local Hugging Face model folder "
+                        "(no config.json)", "point model.path at a folder saved with save_pretrained, or null")
+
+
+def check_trl_blocks(path: Path, config: PipelineConfig) -> None:
+    """Build SFTConfig / GRPOConfig from the `trl:` blocks, so TRL validates them now."""
+    from trl import GRPOConfig, SFTConfig
+
+    blocks = [("sft.trl", SFTConfig, config.sft.trl)]
+    blocks += [(f"grpo[{i}].trl", GRPOConfig, s.trl) for i, s in enumerate(config.grpo)]
+    for field, cls, options in blocks:
+        build_trl_config(f"{path}: {field}", cls, options, output_dir="/nonexistent/posttrain-check")
+
+
+def device_defaults() -> dict:
+    """TRL defaults to bf16, which a machine without CUDA rejects: there, train in fp32
+    on the CPU unless the config says otherwise."""
+    import torch
+
+    return {} if torch.cuda.is_available() else {"use_cpu": True, "bf16": False}
+
+
+def build_trl_config(where: str, cls, options: dict, **owned):
+    """`cls(**defaults, **options, **owned)`; unknown or invalid options become `UserError`."""
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in options:
+        if key in OWNED_TRL_KEYS:
+            raise UserError(f"{where}.{key}", f"posttrain sets this option ({OWNED_TRL_KEYS[key]})", "remove it")
+        if key not in known:
+            hint = difflib.get_close_matches(key, known, n=1)
+            fix = f"did you mean {hint[0]!r}?" if hint else f"see the {cls.__name__} documentation"
+            raise UserError(f"{where}.{key}", f"unknown {cls.__name__} option", fix)
+    try:
+        return cls(**{**device_defaults(), **options}, **owned)
+    except (ValueError, TypeError) as err:
+        message = " ".join(str(err).split())
+        raise UserError(where, message[:300], f"adjust the {cls.__name__} options as the message says") from None

@@ -1,0 +1,42 @@
+"""Integer arithmetic: `37+48=` -> `85`.
+
+Every (a, b, op) triple lands in exactly one split, so held-out prompts are never
+seen in training.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+_ANSWER = re.compile(r"^\s*(-?\d+)\s*$")
+
+
+class ArithmeticEnv:
+    name = "arithmetic"
+
+    def __init__(self, operand_max: int = 49, ops: tuple[str, ...] = ("+",),
+                 heldout_size: int = 500):
+        self.operand_max = operand_max
+        self.ops = tuple(ops)
+        self.heldout_size = heldout_size
+
+    def generate(self, seed: int) -> dict[str, list[dict]]:
+        """All `a op b` pairs with 0 <= a, b <= operand_max, split train / heldout."""
+        rows = [self.row(a, b, op) for op in self.ops
+                for a in range(self.operand_max + 1) for b in range(self.operand_max + 1)]
+        random.Random(seed).shuffle(rows)
+        return {"train": rows[self.heldout_size:], "heldout": rows[:self.heldout_size]}
+
+    @staticmethod
+    def row(a: int, b: int, op: str) -> dict:
+        answer = str(_OPS[op](a, b))
+        return {"prompt": f"{a}{op}{b}=", "completion": answer, "answer": answer}
+
+    def parse(self, completion: str) -> str | None:
+        match = _ANSWER.match(completion)
+        return str(int(match.group(1))) if match else None
+
+    def verify(self, completion: str, answer: str) -> bool:
+        return self.parse(completion) == answer

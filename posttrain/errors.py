@@ -1,0 +1,13 @@
+"""User-facing errors: one line that names the file or field and the fix."""
+
+
+class UserError(Exception):
+    """Bad input (config, data, model path, CLI argument).
+
+    The CLI prints `str(err)` on one line to stderr and exits 2, with no traceback.
+    Raise it before any compute so nothing is half-written.
+    """
+
+    def __init__(self, where: str, problem: str, fix: str):
+        self.where, self.problem, self.fix = where, problem, fix
+        super().__init__(f"{where}: {problem}; fix: {fix}")

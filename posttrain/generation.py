@@ -1,0 +1,37 @@
+"""Sampling completions with transformers `generate` (the path that needs no vLLM)."""
+
+from __future__ import annotations
+
+
+def load_policy(model_dir: str):
+    """Model and tokenizer from a Hugging Face folder, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    return model, tokenizer
+
+
+def generate(model, tokenizer, prompts: list[str], *, n: int, temperature: float,
+             max_new_tokens: int, batch_size: int = 256, seed: int = 0) -> list[list[str]]:
+    """`n` completions per prompt; temperature 0 means greedy (then n must be 1).
+
+    Returns a list (one per prompt) of `n` decoded completions without special tokens.
+    """
+    import torch
+
+    torch.manual_seed(seed)
+    sample = temperature > 0
+    out: list[list[str]] = []
+    step = max(1, batch_size // n)
+    for start in range(0, len(prompts), step):
+        batch = tokenizer(prompts[start:start + step], return_tensors="pt", padding=True)
+        with torch.inference_mode():
+            ids = model.generate(
+                **batch, do_sample=sample, temperature=temperature if sample else None,
+                top_p=None, top_k=None, num_return_sequences=n, max_new_tokens=max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        texts = tokenizer.batch_decode(ids[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
+        out.extend(texts[i:i + n] for i in range(0, len(texts), n))
+    return out

@@ -1,0 +1,55 @@
+"""Small file helpers: JSON lines, metrics files, and the base-model pointer."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+BASE_POINTER = "posttrain_base.json"
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fh.writelines(json.dumps(row, sort_keys=True) + "\n" for row in rows)
+
+
+def write_json(path: str | Path, data) -> None:
+    """Write atomically, so a crash never leaves a half-written metrics file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: str | Path):
+    return json.loads(Path(path).read_text())
+
+
+def resolve_model_dir(model_dir: str | Path) -> str:
+    """The folder holding weights: `model_dir` itself, or where its base pointer leads.
+
+    A real model named by `model.path` is not copied into the workspace; the prepare
+    stage writes a pointer file instead.
+    """
+    pointer = Path(model_dir) / BASE_POINTER
+    return read_json(pointer)["path"] if pointer.is_file() else str(model_dir)
+
+
+def flatten(metrics: dict, prefix: str = "") -> dict[str, float]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1.0}`: nested metrics as MLflow metric names."""
+    flat = {}
+    for key, value in metrics.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            flat[name] = float(value)
+    return flat

@@ -1,0 +1,120 @@
+"""KV-cache capacity arithmetic, following vLLM's V1 engine (see shared REFERENCE).
+
+Units: bytes per token are per GPU; memory in bytes; a block holds `block_size` tokens.
+Only the model's `config.json` (and safetensors headers, for the weights' size) is read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
+ATTENTION_LAYERS = {"full_attention", "attention", "sliding_attention", "chunked_attention"}
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What one token costs in KV cache, per GPU, and what a sequence costs besides."""
+    full_layers: int
+    sliding_layers: int
+    sliding_window: int | None
+    other_layers: int          # linear attention / Mamba: fixed state per sequence, no per-token KV
+    bytes_per_token_per_layer: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes per token summed over all attention layers (full and sliding)."""
+        return (self.full_layers + self.sliding_layers) * self.bytes_per_token_per_layer
+
+    def session_bytes(self, tokens: int) -> int:
+        """KV bytes one session of `tokens` tokens holds (sliding layers keep a window)."""
+        window = min(tokens, self.sliding_window or tokens)
+        return self.bytes_per_token_per_layer * (self.full_layers * tokens + self.sliding_layers * window)
+
+
+def text_config(config: dict) -> dict:
+    """The language model's part of a (possibly multimodal) config."""
+    return config.get("text_config") or config
+
+
+def kv_dtype_bytes(config: dict, kv_dtype: str = "auto") -> int:
+    """Bytes per cached value: 1 for fp8; else the model dtype, fp32 served as 16-bit."""
+    if kv_dtype.startswith("fp8"):
+        return 1
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    return min(DTYPE_BYTES.get(dtype.replace("torch.", ""), 2), 2)
+
+
+def kv_spec(config: dict, *, tp: int = 1, kv_dtype: str = "auto") -> KVSpec:
+    """The per-GPU KV layout of a Hugging Face config (GQA/MHA, MLA, sliding, hybrid)."""
+    cfg = text_config(config)
+    dtype_bytes = kv_dtype_bytes(cfg, kv_dtype)
+    layers = int(cfg["num_hidden_layers"])
+    if cfg.get("kv_lora_rank"):  # MLA: one latent "head" per token per layer, not split by TP
+        per_layer = (int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim", 0))) * dtype_bytes
+        return KVSpec(layers, 0, None, 0, per_layer)
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    kv_heads = max(1, int(cfg.get("num_key_value_heads") or heads) // tp)
+    per_layer = 2 * kv_heads * head_dim * dtype_bytes
+    types = cfg.get("layer_types") or ["full_attention"] * layers
+    window = cfg.get("sliding_window")
+    sliding = sum(t in {"sliding_attention", "chunked_attention"} for t in types) if window else 0
+    full = sum(t in ATTENTION_LAYERS for t in types) - sliding
+    return KVSpec(full, sliding, window if sliding else None, len(types) - full - sliding, per_layer)
+
+
+def load_config_json(model: str | Path) -> dict:
+    """`config.json` from a model folder or the file itself."""
+    path = Path(model)
+    path = path / "config.json" if path.is_dir() else path
+    return json.loads(path.read_text())
+
+
+def weight_bytes(model_dir: str | Path, config: dict) -> int:
+    """Bytes of weights as served: safetensors headers' element counts x served dtype size."""
+    dtype_bytes = kv_dtype_bytes(text_config(config), "auto")
+    elements = 0
+    for file in Path(model_dir).glob("*.safetensors"):
+        with open(file, "rb") as fh:
+            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+        elements += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    return elements * dtype_bytes
+
+
+@dataclass(frozen=True)
+class Capacity:
+    kv_bytes_per_token: int
+    block_size: int
+    kv_memory_bytes: int
+    num_blocks: int
+    kv_cache_tokens: int
+    context_length: int
+    max_concurrency: float
+
+
+def capacity(spec: KVSpec, *, kv_memory_bytes: int, block_size: int, context_length: int) -> Capacity:
+    """vLLM's count: whole blocks of KV memory, and sessions of `context_length` tokens.
+
+    num_blocks = kv_memory // (block_size x bytes per token); each session needs
+    ceil(L / block_size) blocks (fewer on sliding layers, counted via `session_bytes`).
+    """
+    block_bytes = block_size * spec.kv_bytes_per_token
+    num_blocks = max(0, kv_memory_bytes // block_bytes) if block_bytes else 0
+    blocks_per_session = spec.session_bytes(math.ceil(context_length / block_size) * block_size) / block_bytes
+    return Capacity(spec.kv_bytes_per_token, block_size, kv_memory_bytes, num_blocks,
+                    num_blocks * block_size, context_length,
+                    num_blocks / blocks_per_session if blocks_per_session else 0.0)
+
+
+def kv_memory_on_gpu(gpu_bytes: int, utilization: float, weights: int, reserve: int) -> int:
+    """Memory left for KV: total x utilisation - weights - activation/runtime reserve."""
+    return max(0, int(gpu_bytes * utilization) - weights - reserve)
+
+
+def as_dict(cap: Capacity) -> dict:
+    return asdict(cap)

@@ -1,0 +1,36 @@
+"""Stage `evaluate`: base, SFT and GRPO models on the held-out split.
+
+`metrics/evaluate.json` holds, per model, `greedy_accuracy` and `pass_at_k` (k -> value).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+
+from posttrain.envs import get_env
+from posttrain.evaluation import evaluate_model
+from posttrain.io import flatten, read_jsonl, resolve_model_dir, write_json
+from posttrain.tracking import stage_run
+
+
+def main(config, *, data_dir: str, models: dict[str, str], metrics_path: str,
+         accuracy_plot: str, pass_at_k_plot: str) -> dict:
+    with stage_run(config, "evaluate"):
+        env = get_env(config.data.env, **config.data.options)
+        rows = read_jsonl(Path(data_dir) / "heldout.jsonl")[:config.evaluate.max_prompts]
+        report = {}
+        for name, model_dir in models.items():
+            report[name], samples = evaluate_model(resolve_model_dir(model_dir), env, rows,
+                                                   config.evaluate, config.seed)
+            mlflow.log_table({key: [s[key] for s in samples] for key in samples[0]},
+                             artifact_file=f"samples/{name}.json")
+        mlflow.log_params({"heldout_prompts": len(rows), "n_samples": config.evaluate.n_samples,
+                           "temperature": config.evaluate.temperature})
+        mlflow.log_metrics(flatten(report))
+        write_json(metrics_path, report)
+        write_json(accuracy_plot, [{"model": m, "greedy_accuracy": r["greedy_accuracy"]} for m, r in report.items()])
+        write_json(pass_at_k_plot, [{"model": m, "k": int(k), "pass_at_k": v}
+                                    for m, r in report.items() for k, v in r["pass_at_k"].items()])
+    return report

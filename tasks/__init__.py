@@ -1,0 +1,1 @@
+"""Prefect tasks: each wraps one side effect. Retries and timeouts live here."""

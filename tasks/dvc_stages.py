@@ -1,0 +1,100 @@
+"""Tasks that drive DVC: the stage order, one stage's run, pushing data to the remote."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NONE
+
+from posttrain.io import flatten, read_json
+
+# DVC is the cache; Prefect must never skip a stage on its own.
+TASK_DEFAULTS = {"cache_policy": NONE}
+
+
+def _bin(name: str) -> str:
+    """An executable next to this interpreter (the project venv), else from PATH."""
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
+
+
+def stage_env(**extra: str) -> dict[str, str]:
+    """The environment of a stage process: ours, the venv first on PATH, plus `extra`."""
+    env = {**os.environ, **extra}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+@task(name="stage_order", **TASK_DEFAULTS)
+def stage_order(workdir: str) -> list[dict]:
+    """Stages in the order `dvc repro` runs them, each with its metrics files."""
+    from dvc.repo import Repo
+    from dvc.repo.reproduce import get_active_graph, plan_repro
+
+    with Repo(workdir) as repo:
+        stages = plan_repro(get_active_graph(repo.index.graph))
+        return [{"name": s.addressing, "metrics": [o.def_path for o in s.outs if o.metric]} for s in stages]
+
+
+def run_logged(cmd: list[str], *, cwd: str, env: dict, log_path: Path) -> tuple[int, str]:
+    """Run `cmd`, echoing its output and saving it to `log_path`; returns (exit code, tail)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    tail: deque[str] = deque(maxlen=20)
+    with open(log_path, "w") as log, subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                                      stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+            tail.append(line.rstrip())
+    return proc.returncode, "\n".join(tail)
+
+
+@task(name="run_stage", **TASK_DEFAULTS)
+def run_stage(stage: dict, workdir: str, parent_run_id: str, tracking_uri: str) -> dict:
+    """`dvc repro --single-item STAGE` under an MLflow child run of `parent_run_id`.
+
+    DVC decides whether the stage is up to date. A skipped stage still gets its child
+    run, tagged `posttrain.cached`, carrying the metrics DVC had recorded.
+    """
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    parent = client.get_run(parent_run_id)
+    child = client.create_run(parent.info.experiment_id, run_name=stage["name"],
+                              tags={"mlflow.parentRunId": parent_run_id, "posttrain.stage": stage["name"]})
+    run_id = child.info.run_id
+    env = stage_env(MLFLOW_RUN_ID=run_id, MLFLOW_TRACKING_URI=tracking_uri)
+    log_path = Path(workdir) / "logs" / f"{stage['name']}.log"
+    code, tail = run_logged([_bin("dvc"), "repro", "--single-item", stage["name"]], cwd=workdir, env=env,
+                            log_path=log_path)
+    client.log_artifact(run_id, str(log_path), "logs")
+    if code != 0:
+        client.set_terminated(run_id, "FAILED")
+        raise RuntimeError(f"stage {stage['name']!r} failed (dvc exit {code}); last lines:\n{tail}")
+    metrics = {}
+    for path in stage["metrics"]:
+        metrics.update(read_json(Path(workdir) / path))
+    if client.get_run(run_id).data.tags.get("posttrain.executed") != "true":
+        client.set_tag(run_id, "posttrain.cached", "true")
+        for name, value in flatten(metrics).items():
+            client.log_metric(run_id, name, value)
+        client.set_terminated(run_id, "FINISHED")
+    return metrics
+
+
+@task(name="push_data", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
+def push_data(workdir: str) -> str:
+    """`dvc push` to the default remote (data and models), when one is configured."""
+    remote = subprocess.run([_bin("dvc"), "remote", "default"], cwd=workdir, capture_output=True, text=True)
+    if remote.returncode != 0 or not remote.stdout.strip():
+        return "no DVC remote configured: nothing pushed"
+    done = subprocess.run([_bin("dvc"), "push", "--quiet"], cwd=workdir, env=stage_env(),
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"dvc push failed: {done.stderr.strip()[-500:]}")
+    return f"pushed to DVC remote {remote.stdout.strip()!r}"

@@ -1,0 +1,80 @@
+"""Shared fixtures: real git + DVC workspaces in temporary folders, a reduced config."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from posttrain.config import read_config_dict
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+# A config small enough for a stage smoke test: seconds, not minutes.
+SMALL = {
+    "extends": "pipeline.yaml",
+    "model": {"tiny": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
+                       "intermediate_size": 64, "max_positions": 32}},
+    "data": {"options": {"operand_max": 9, "heldout_size": 20}},
+    "sft": {"trl": {"num_train_epochs": 2, "per_device_train_batch_size": 16, "logging_steps": 2}},
+    "grpo": [{"name": "correctness", "rewards": ["correctness"],
+              "trl": {"max_steps": 4, "per_device_train_batch_size": 8, "num_generations": 4,
+                      "max_completion_length": 4, "logging_steps": 2, "save_steps": 2, "disable_tqdm": True}}],
+    "evaluate": {"n_samples": 4, "k": [1, 4], "max_new_tokens": 4},
+    "orchestration": {"retries": 0},
+}
+
+
+def sh(*cmd, cwd, env=None, check=True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", **(env or {})}
+    done = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done
+
+
+def make_workspace(dest: Path, overrides: dict) -> Path:
+    """A git + DVC repo laid out like this one, with `overrides` as configs/pipeline.yaml.
+
+    The config is the default one with `overrides` merged in, written out whole: DVC
+    reads params from the file itself. Library sources are copied because dvc.yaml
+    lists them as deps.
+    """
+    for name in ("dvc.yaml", ".gitignore", ".dvcignore"):
+        shutil.copy(REPO / name, dest / name)
+    shutil.copytree(REPO / "configs", dest / "configs")
+    shutil.copytree(REPO / "posttrain", dest / "posttrain", ignore=shutil.ignore_patterns("__pycache__"))
+    overrides_file = dest / "configs" / "overrides.yaml"
+    overrides_file.write_text(yaml.safe_dump(overrides, sort_keys=False))
+    config = read_config_dict(overrides_file)
+    overrides_file.unlink()
+    (dest / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    sh("git", "init", "-q", "-b", "main", cwd=dest)
+    sh("dvc", "init", "-q", cwd=dest)
+    sh("dvc", "config", "core.analytics", "false", cwd=dest)
+    sh("dvc", "remote", "add", "-d", "local", str(dest.parent / f"{dest.name}-remote"), cwd=dest)
+    sh("git", "add", "-A", cwd=dest)
+    sh("git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "workspace", cwd=dest)
+    return dest
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    for key, value in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                       "DO_NOT_TRACK": "1", "DVC_NO_ANALYTICS": "1",
+                       "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                       "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+
+
+@pytest.fixture
+def small_workspace(tmp_path) -> Path:
+    return make_workspace(tmp_path / "ws", SMALL)
