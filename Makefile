@@ -2,7 +2,6 @@
 PYTHON ?= python3.11
 VENV   ?= .venv
 EXTRAS ?= cpu
-CONFIG ?= configs/pipeline.yaml
 BIN    := $(VENV)/bin
 
 export DO_NOT_TRACK := 1
@@ -26,7 +25,7 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.lock
 	touch $@
 
 run: install
-	$(BIN)/posttrain run --config $(CONFIG)
+	$(BIN)/posttrain run
 
 repro: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro

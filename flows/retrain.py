@@ -16,6 +16,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from posttrain import summary
+from posttrain.cli import PARAMS_FILE
 from posttrain.config import load_config
 from posttrain.io import flatten
 from posttrain.tracking import dvc_lock_hashes, experiment_id, provenance, tracking_uri
@@ -23,11 +24,11 @@ from tasks.dvc_stages import push_data, run_stage, stage_order
 
 
 @flow(name="retrain")
-def retrain(config_path: str = "configs/pipeline.yaml", workdir: str = ".") -> dict:
-    """Run the pipeline of `workdir` (a git + DVC repo) with `config_path` as its params."""
+def retrain(workdir: str = ".") -> dict:
+    """Run the pipeline of `workdir`: a git + DVC repo with dvc.yaml and its params file."""
     logger = get_run_logger()
     workdir = str(Path(workdir).resolve())
-    config = load_config(Path(workdir) / config_path)
+    config = load_config(Path(workdir) / PARAMS_FILE)
     uri = tracking_uri(config, workdir)
     exp = experiment_id(config, workdir)
     stage_task = run_stage.with_options(retries=config.orchestration.retries,
@@ -42,7 +43,8 @@ def retrain(config_path: str = "configs/pipeline.yaml", workdir: str = ".") -> d
         mlflow.log_metrics(flatten(results))
         mlflow.log_artifact(str(Path(workdir) / "dvc.lock"))
         logger.info(push_data(workdir))
-        text = summary.render(results.get("evaluate", {}), results.get("serving", {}), parent.info.run_id, uri)
+        text = summary.render(results.get("evaluate", {}), results.get("serving", {}),
+                              config.serving.gpu, parent.info.run_id, uri)
     create_markdown_artifact(text, key="retrain-summary", description="posttrain retrain summary")
     print(text)
     return results

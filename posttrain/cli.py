@@ -19,6 +19,9 @@ OFFLINE_DEFAULTS = {
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
 }
 
+# The workspace's config: dvc.yaml reads its params from this file.
+PARAMS_FILE = "configs/pipeline.yaml"
+
 # Path arguments of each stage command; dvc.yaml names the paths, the stage's main takes them.
 STAGE_ARGS = {
     "prepare": ["data_dir", "model_dir", "metrics_path"],
@@ -47,8 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         for arg in args:
             one.add_argument("--" + arg.replace("_", "-"), dest=arg, required=True)
     run = sub.add_parser("run", help="run the retrain flow (Prefect) on a workspace")
-    run.add_argument("--config", default="configs/pipeline.yaml")
-    run.add_argument("--workdir", default=".")
+    run.add_argument("--workdir", default=".", help="git + DVC workspace holding dvc.yaml and " + PARAMS_FILE)
     add_kv_parser(sub)
     return parser
 
@@ -82,9 +84,9 @@ def dispatch(args) -> int:
         metrics = importlib.import_module(f"posttrain.stages.{args.stage}").main(config, **kwargs)
         print(json.dumps(metrics, indent=2, sort_keys=True))
     elif args.command == "run":
-        load_config(args.config)
+        load_config(os.path.join(args.workdir, PARAMS_FILE))
         from flows.retrain import retrain
-        retrain(config_path=args.config, workdir=args.workdir)
+        retrain(workdir=args.workdir)
     elif args.command == "kv":
         from posttrain.kv_cli import run_kv
         return run_kv(args)

@@ -70,20 +70,31 @@ def git_state(workspace: str | Path = ".") -> dict[str, str]:
     return {"git.commit": git("rev-parse", "HEAD"), "git.dirty": str(bool(git("status", "--porcelain")))}
 
 
-def dvc_lock_hashes(workspace: str | Path = ".") -> dict[str, str]:
-    """The md5 of `dvc.lock` and of the prepare stage's data output, from `dvc.lock`."""
-    import hashlib
+def stage_outputs(workspace: str | Path, stage: str) -> dict[str, str]:
+    """`{path: md5}` of a stage's DVC outputs as `dvc.lock` records them.
 
+    This is the reference to a checkpoint: `dvc pull` with the commit's `dvc.lock`
+    brings back exactly these bytes.
+    """
     import yaml
 
     lock = Path(workspace) / "dvc.lock"
     if not lock.is_file():
         return {}
-    text = lock.read_text()
-    hashes = {"dvc.lock_md5": hashlib.md5(text.encode()).hexdigest()}
-    outs = (yaml.safe_load(text) or {}).get("stages", {}).get("prepare", {}).get("outs", [])
-    hashes.update({"dvc.data_md5": o["md5"] for o in outs if o["path"].rstrip("/") == "data"})
-    return hashes
+    outs = (yaml.safe_load(lock.read_text()) or {}).get("stages", {}).get(stage, {}).get("outs", [])
+    return {o["path"]: o["md5"] for o in outs}
+
+
+def dvc_lock_hashes(workspace: str | Path = ".") -> dict[str, str]:
+    """The md5 of `dvc.lock` and of the prepare stage's data output."""
+    import hashlib
+
+    lock = Path(workspace) / "dvc.lock"
+    if not lock.is_file():
+        return {}
+    hashes = {"dvc.lock_md5": hashlib.md5(lock.read_bytes()).hexdigest()}
+    data = stage_outputs(workspace, "prepare").get("data")
+    return {**hashes, "dvc.data_md5": data} if data else hashes
 
 
 def package_versions() -> dict[str, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from posttrain.io import flatten, read_json
+from posttrain.tracking import stage_outputs
 
 # DVC is the cache; Prefect must never skip a stage on its own.
 TASK_DEFAULTS = {"cache_policy": NONE}
@@ -73,6 +75,9 @@ def run_stage(stage: dict, workdir: str, parent_run_id: str, tracking_uri: str) 
     code, tail = run_logged([_bin("dvc"), "repro", "--single-item", stage["name"]], cwd=workdir, env=env,
                             log_path=log_path)
     client.log_artifact(run_id, str(log_path), "logs")
+    outputs = stage_outputs(workdir, stage["name"])
+    if outputs:
+        client.log_text(run_id, json.dumps(outputs, indent=2), "dvc_outputs.json")
     if code != 0:
         client.set_terminated(run_id, "FAILED")
         raise RuntimeError(f"stage {stage['name']!r} failed (dvc exit {code}); last lines:\n{tail}")
