@@ -31,8 +31,19 @@ SMALL = {
 }
 
 
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1",
+           "DVC_NO_ANALYTICS": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
+os.environ.update(OFFLINE)
+# mlflow.set_tracking_uri() exports MLFLOW_TRACKING_URI; a child process must not inherit
+# the store of whichever test ran before it.
+CHILD_ENV_DROP = ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME")
+
+
 def sh(*cmd, cwd, env=None, check=True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", **(env or {})}
+    """Run a command as a user would: the venv on PATH, no MLflow state inherited."""
+    base = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROP}
+    env = {**base, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", **(env or {})}
     done = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True)
     if check and done.returncode != 0:
         raise AssertionError(f"{cmd} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -46,6 +57,7 @@ def make_workspace(dest: Path, overrides: dict) -> Path:
     reads params from the file itself. Library sources are copied because dvc.yaml
     lists them as deps.
     """
+    dest.mkdir(parents=True, exist_ok=True)
     for name in ("dvc.yaml", ".gitignore", ".dvcignore"):
         shutil.copy(REPO / name, dest / name)
     shutil.copytree(REPO / "configs", dest / "configs")
@@ -65,14 +77,9 @@ def make_workspace(dest: Path, overrides: dict) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    for key, value in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                       "DO_NOT_TRACK": "1", "DVC_NO_ANALYTICS": "1",
-                       "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                       "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+def _no_inherited_mlflow(monkeypatch):
+    for key in CHILD_ENV_DROP:
+        monkeypatch.delenv(key, raising=False)
 
 
 @pytest.fixture

@@ -1,0 +1,70 @@
+"""The CLI: valid input runs; bad input exits 2 with one line on stderr, no traceback."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def posttrain(*args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "posttrain", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True)
+
+
+def assert_one_line_error(done, *needles):
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert all(n in lines[0] for n in needles), lines[0]
+
+
+def test_check_accepts_the_default_config():
+    done = posttrain("check", "--config", "configs/pipeline.yaml")
+    assert done.returncode == 0 and "ok" in done.stdout
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["check", "--config", "missing.yaml"], ["missing.yaml", "not found"]),       # no such file
+    (["check"], ["--config"]),                                                     # missing argument
+    (["frobnicate"], ["invalid choice"]),                                          # unknown command
+    (["kv", "nowhere/config.json"], ["nowhere", "config.json"]),                   # kv: missing model
+    (["kv", "configs/gpus.yaml"], ["config lacks"]),                               # kv: not a model config
+])
+def test_bad_arguments(args, needles):
+    assert_one_line_error(posttrain(*args), *needles)
+
+
+def test_check_rejects_a_malformed_config(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpo: [{name: a, trl: {learnin_rate: 1}}]\n")
+    assert_one_line_error(posttrain("check", "--config", bad), "bad.yaml", "grpo[0].trl.learnin_rate")
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "hidden_size": 128, "torch_dtype": "float32"}))
+    return path
+
+
+def test_kv_json_matches_vllm_on_this_machine(tiny_config):
+    # Seen here with vLLM's CPU engine and 1 GiB of KV space (shared REFERENCE):
+    # "CPU KV cache size: 1,048,576 tokens, Maximum concurrency for 256 tokens per request: 4096.00x"
+    done = posttrain("kv", tiny_config, "--kv-memory-gib", 1, "--context", 256, "--block-size", 128, "--json")
+    report = json.loads(done.stdout)
+    assert report["kv_bytes_per_token"] == 1024 and report["kv_cache_tokens"] == 1_048_576
+    assert report["max_concurrency"] == 4096.0 and report["num_blocks"] == 8192
+
+
+@pytest.mark.parametrize("flags,needles", [
+    (["--gpu", "Z80"], ["unknown GPU profile", "H100-80GB"]),    # unknown GPU name
+    (["--kv-memory-gib", "-1"], ["--kv-memory-gib"]),             # negative size
+    (["--context", "0"], ["--context"]),                          # empty context
+])
+def test_kv_bad_input(tiny_config, flags, needles):
+    assert_one_line_error(posttrain("kv", tiny_config, *flags), *needles)

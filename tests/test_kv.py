@@ -1,0 +1,60 @@
+"""KV-cache arithmetic on public model shapes (values from their published config.json)."""
+
+import pytest
+
+from posttrain.kv import capacity, kv_spec
+
+LLAMA_31_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+               "hidden_size": 4096, "torch_dtype": "bfloat16"}
+QWEN25_05B = {"num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+              "hidden_size": 896, "torch_dtype": "bfloat16"}
+QWEN3_8B = {"num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "hidden_size": 4096, "head_dim": 128, "torch_dtype": "bfloat16"}
+DEEPSEEK_V3 = {"num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+               "hidden_size": 7168, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "torch_dtype": "bfloat16"}
+# The 27B hybrid of the shared REFERENCE: 16 full-attention layers (4 KV heads of dim 256)
+# among 64, the others linear attention with a fixed per-sequence state.
+HYBRID_27B = {"num_hidden_layers": 64, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+              "hidden_size": 5120, "torch_dtype": "bfloat16",
+              "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16}
+# Alternating local/global attention with a 4,096-token window (Gemma-2 style).
+SLIDING = {**LLAMA_31_8B, "sliding_window": 4096, "layer_types": ["sliding_attention", "full_attention"] * 16}
+
+
+@pytest.mark.parametrize("config,tp,kv_dtype,expected", [
+    (LLAMA_31_8B, 1, "auto", 131_072),                  # GQA: 2 x 32 layers x 8 heads x 128 x 2 B
+    (LLAMA_31_8B, 4, "auto", 32_768),                   # TP splits the 8 KV heads 2 per GPU
+    (LLAMA_31_8B, 16, "auto", 16_384),                  # fewer KV heads than GPUs: replicated, 1 per GPU
+    (LLAMA_31_8B, 1, "fp8", 65_536),                    # fp8 KV: 1 byte per value
+    (QWEN25_05B, 1, "auto", 12_288),                    # head_dim from hidden_size / heads = 64
+    (QWEN3_8B, 1, "auto", 147_456),                     # explicit head_dim
+    (DEEPSEEK_V3, 1, "auto", 70_272),                   # MLA: (512 + 64) x 61 layers x 2 B
+    (DEEPSEEK_V3, 8, "auto", 70_272),                   # MLA latents are not split by TP
+    (HYBRID_27B, 1, "auto", 65_536),                    # only full-attention layers hold per-token KV
+    ({**LLAMA_31_8B, "torch_dtype": "float32"}, 1, "auto", 131_072),  # fp32 checkpoints served as 16-bit
+])
+def test_kv_bytes_per_token(config, tp, kv_dtype, expected):
+    assert kv_spec(config, tp=tp, kv_dtype=kv_dtype).kv_bytes_per_token == expected
+
+
+def test_hybrid_session_of_8k_tokens_holds_512_mib():
+    assert kv_spec(HYBRID_27B).session_bytes(8192) == 512 * 2**20
+
+
+def test_sliding_layers_hold_at_most_the_window():
+    spec = kv_spec(SLIDING)
+    per_layer = 2 * 8 * 128 * 2
+    assert spec.session_bytes(1000) == 32 * 1000 * per_layer
+    assert spec.session_bytes(16384) == per_layer * (16 * 16384 + 16 * 4096)
+
+
+@pytest.mark.parametrize("kv_memory,context,blocks,tokens,concurrency", [
+    (64 * 2**20, 256, 512, 65_536, 256.0),      # seen here with vLLM CPU: 64 MiB, block 128
+    (2**30, 256, 8192, 1_048_576, 4096.0),      # seen here with vLLM CPU: 1 GiB
+    (2**30, 300, 8192, 1_048_576, 8192 / 3),    # 300 tokens need 3 whole blocks of 128
+])
+def test_capacity_counts_whole_blocks(kv_memory, context, blocks, tokens, concurrency):
+    tiny = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128}
+    cap = capacity(kv_spec(tiny), kv_memory_bytes=kv_memory, block_size=128, context_length=context)
+    assert (cap.num_blocks, cap.kv_cache_tokens) == (blocks, tokens)
+    assert cap.max_concurrency == pytest.approx(concurrency)
