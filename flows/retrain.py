@@ -23,6 +23,13 @@ from posttrain.tracking import dvc_lock_hashes, experiment_id, provenance, track
 from tasks.dvc_stages import push_data, run_stage, stage_order
 
 
+def gate_tags(results: dict) -> dict[str, str]:
+    """`gate.<stage>`: accepted / rejected / skipped, for every GRPO stage."""
+    def verdict(m):
+        return "skipped" if m.get("skipped") else "accepted" if m.get("accepted") else "rejected"
+    return {f"gate.{name.split('@', 1)[1]}": verdict(m) for name, m in results.items() if name.startswith("grpo@")}
+
+
 @flow(name="retrain")
 def retrain(workdir: str = ".") -> dict:
     """Run the pipeline of `workdir`: a git + DVC repo with dvc.yaml and its params file."""
@@ -39,8 +46,9 @@ def retrain(workdir: str = ".") -> dict:
         results = {}
         for stage in stage_order(workdir):
             results[stage["name"]] = stage_task(stage, workdir, parent.info.run_id, uri)
-        mlflow.set_tags(dvc_lock_hashes(workdir))
-        mlflow.log_metrics(flatten(results))
+        mlflow.set_tags({**dvc_lock_hashes(workdir), **gate_tags(results)})
+        # MLflow names allow no '@': grpo@dense -> grpo.dense
+        mlflow.log_metrics(flatten({name.replace("@", "."): m for name, m in results.items()}))
         mlflow.log_artifact(str(Path(workdir) / "dvc.lock"))
         logger.info(push_data(workdir))
         text = summary.render(results.get("evaluate", {}), results.get("serving", {}),

@@ -26,9 +26,9 @@ PARAMS_FILE = "configs/pipeline.yaml"
 STAGE_ARGS = {
     "prepare": ["data_dir", "model_dir", "metrics_path"],
     "sft": ["data_dir", "base_dir", "out_dir", "checkpoint_dir", "metrics_path"],
-    "grpo": ["data_dir", "init_dir", "out_dir", "checkpoint_dir", "metrics_path", "curve_path"],
-    "serving": ["model_dir", "gpus_path", "report_path", "metrics_path"],
-    "evaluate": ["data_dir", "models", "metrics_path", "accuracy_plot", "pass_at_k_plot"],
+    "grpo": ["name", "data_dir", "init_dir", "out_dir", "checkpoint_dir", "metrics_path", "curve_path"],
+    "serving": ["models_dir", "gpus_path", "report_path", "metrics_path"],
+    "evaluate": ["data_dir", "models_dir", "metrics_path", "accuracy_plot", "pass_at_k_plot"],
 }
 
 
@@ -78,8 +78,9 @@ def dispatch(args) -> int:
     elif args.command == "stage":
         config = load_config(args.config, check_trl=False)
         kwargs = {a: getattr(args, a) for a in STAGE_ARGS[args.stage]}
-        if "models" in kwargs:
-            kwargs["models"] = dict(pair.split("=", 1) for pair in kwargs["models"].split(","))
+        if kwargs.get("name", next(iter(config.grpo))) not in config.grpo:
+            raise UserError("posttrain stage grpo --name", f"no GRPO stage {kwargs['name']!r} in {args.config}",
+                            f"use one of {list(config.grpo)}")
         import importlib
         metrics = importlib.import_module(f"posttrain.stages.{args.stage}").main(config, **kwargs)
         print(json.dumps(metrics, indent=2, sort_keys=True))

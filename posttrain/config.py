@@ -10,6 +10,7 @@ per batch) are checked here, before training starts.
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,6 +18,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from posttrain.errors import UserError
+
+STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+RESERVED_NAMES = {"base", "sft", "grpo"}
 
 # TRL options posttrain sets itself from dvc.yaml paths and tracking; users set them elsewhere.
 OWNED_TRL_KEYS = {"output_dir": "set by dvc.yaml", "report_to": "posttrain always logs to MLflow",
@@ -51,10 +55,40 @@ class SFTSection(Section):
     trl: dict[str, Any] = Field(default_factory=dict, description="Passed to trl.SFTConfig unchanged.")
 
 
+class PassRateFilter(Section):
+    """Offline pass-rate filtering (open-r1): before a stage, sample each training prompt
+    with the stage's starting model and keep it only if its pass rate p satisfies
+    `min_pass_rate < p < max_pass_rate`, so every group can carry a gradient."""
+    enabled: bool = Field(True, description="Filter the stage's prompts before training.")
+    samples: int = Field(8, ge=1, description="Samples per prompt to estimate its pass rate.")
+    min_pass_rate: float = Field(0.0, ge=-1, le=1, description="Keep prompts solved more often than this.")
+    max_pass_rate: float = Field(1.0, ge=0, le=2, description="Keep prompts solved less often than this.")
+    temperature: float | None = Field(None, gt=0, description="Sampling temperature; null = the stage's.")
+
+
 class GRPOStage(Section):
-    name: str = Field(..., pattern=r"^[a-z][a-z0-9_]*$", description="Stage name (DVC / MLflow).")
-    rewards: list[str] = Field(["correctness"], min_length=1, description="Reward channels (posttrain.rewards).")
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    from_: str = Field(..., alias="from", description="The stage this one starts from: `sft` for the first, "
+                                                      "else the previous stage's name.")
+    rewards: dict[str, float] = Field({"correctness": 1.0}, min_length=1,
+                                      description="Reward channel -> weight (posttrain.rewards.REWARDS).")
+    guardrails: list[str] = Field(default_factory=list, description="Hard rules (posttrain.rewards.GUARDRAILS): "
+                                  "a completion that breaks one gets the minimum reward.")
+    pass_rate_filter: PassRateFilter = PassRateFilter()
     trl: dict[str, Any] = Field(default_factory=dict, description="Passed to trl.GRPOConfig unchanged.")
+
+
+class GateSection(Section):
+    """After each GRPO stage the model is evaluated on the held-out split and accepted
+    only if greedy accuracy and pass@k are not below the previous accepted model's by
+    more than `tolerance`. A rejected stage outputs the previous model."""
+    tolerance: float = Field(0.02, ge=0, le=1, description="Largest allowed drop (absolute, 0..1).")
+    k: int = Field(8, ge=1, description="The pass@k the gate compares; <= n_samples.")
+    n_samples: int = Field(16, ge=1, description="Samples per held-out prompt for the gate's pass@k.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature for the gate's pass@k.")
+    max_prompts: int | None = Field(None, gt=0, description="Gate on at most this many held-out prompts.")
+    on_reject: Literal["continue", "stop"] = Field("continue", description="After a rejected stage, run the "
+                                                   "later GRPO stages (continue) or pass the model through (stop).")
 
 
 class ServingSection(Section):
@@ -90,7 +124,8 @@ class PipelineConfig(Section):
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
     sft: SFTSection = SFTSection()
-    grpo: list[GRPOStage] = Field(..., min_length=1, description="GRPO stages, run in order.")
+    grpo: dict[str, GRPOStage] = Field(..., min_length=1, description="GRPO stages by name, run in order.")
+    gate: GateSection = GateSection()
     serving: ServingSection = ServingSection()
     evaluate: EvaluateSection = EvaluateSection()
     tracking: TrackingSection = TrackingSection()
@@ -98,10 +133,16 @@ class PipelineConfig(Section):
 
     @field_validator("grpo")
     @classmethod
-    def _unique_names(cls, stages):
-        names = [s.name for s in stages]
-        if len(set(names)) != len(names):
-            raise ValueError(f"stage names must be unique, got {names}")
+    def _a_chain_from_sft(cls, stages):
+        previous = "sft"
+        for name, stage in stages.items():
+            if not STAGE_NAME.match(name) or name in RESERVED_NAMES:
+                raise ValueError(f"stage name {name!r} must match {STAGE_NAME.pattern} and not be one of "
+                                 f"{sorted(RESERVED_NAMES)}")
+            if stage.from_ != previous:
+                raise ValueError(f"stage {name!r} starts from {stage.from_!r}, but stages form a chain: "
+                                 f"set `from: {previous}`")
+            previous = name
         return stages
 
 
@@ -124,10 +165,13 @@ def read_config_dict(path: Path) -> dict:
 
 
 def _deep_merge(base: dict, override: dict) -> dict:
-    """`override` on top of `base`; mappings merge, everything else (lists too) replaces."""
+    """`override` on top of `base`: mappings merge, lists and scalars replace, and `null`
+    removes the key (so a variant can drop a GRPO stage; removed fields take their default)."""
     merged = dict(base)
     for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+        if value is None:
+            merged.pop(key, None)
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = _deep_merge(merged[key], value)
         else:
             merged[key] = value
@@ -143,6 +187,8 @@ def _schema_error(path: Path, err: ValidationError) -> UserError:
     field = _field_path(first["loc"])
     if first["type"] == "extra_forbidden":
         return UserError(f"{path}: {field}", "unknown key", "remove it or check its spelling (see README, Config)")
+    if first["type"] == "value_error":
+        return UserError(f"{path}: {field}", first["msg"].removeprefix("Value error, "), "see README, Config")
     if first["type"] == "missing":
         return UserError(f"{path}: {field}", "required key is missing", "add it (see README, Config)")
     return UserError(f"{path}: {field}", first["msg"].replace("\n", " "),
@@ -165,7 +211,7 @@ def load_config(path: str | Path, *, check_trl: bool = True) -> PipelineConfig:
 
 def _check_semantics(path: Path, config: PipelineConfig) -> None:
     from posttrain.envs import get_env
-    from posttrain.rewards import REWARDS
+    from posttrain.rewards import GUARDRAILS, REWARDS
 
     bad_k = [k for k in config.evaluate.k if not 1 <= k <= config.evaluate.n_samples]
     if bad_k:
@@ -175,11 +221,18 @@ def _check_semantics(path: Path, config: PipelineConfig) -> None:
         get_env(config.data.env, **config.data.options)
     except TypeError as err:
         raise UserError(f"{path}: data.options", str(err), "use the options the environment documents") from None
-    for i, stage in enumerate(config.grpo):
+    for stage_name, stage in config.grpo.items():
         for name in stage.rewards:
             if name not in REWARDS:
-                raise UserError(f"{path}: grpo[{i}].rewards", f"unknown reward channel {name!r}",
+                raise UserError(f"{path}: grpo.{stage_name}.rewards", f"unknown reward channel {name!r}",
                                 f"use one of {sorted(REWARDS)}")
+        for name in stage.guardrails:
+            if name not in GUARDRAILS:
+                raise UserError(f"{path}: grpo.{stage_name}.guardrails", f"unknown guardrail {name!r}",
+                                f"use one of {sorted(GUARDRAILS)}")
+    if config.gate.k > config.gate.n_samples:
+        raise UserError(f"{path}: gate.k", f"k={config.gate.k} exceeds gate.n_samples ({config.gate.n_samples})",
+                        "lower gate.k or raise gate.n_samples")
     tiny = config.model.tiny
     if config.model.path is None and (tiny.hidden_size % tiny.num_heads or tiny.num_heads % tiny.num_kv_heads):
         raise UserError(f"{path}: model.tiny", "num_heads must divide hidden_size and num_kv_heads num_heads",
@@ -194,9 +247,18 @@ def check_trl_blocks(path: Path, config: PipelineConfig) -> None:
     from trl import GRPOConfig, SFTConfig
 
     blocks = [("sft.trl", SFTConfig, config.sft.trl)]
-    blocks += [(f"grpo[{i}].trl", GRPOConfig, s.trl) for i, s in enumerate(config.grpo)]
+    blocks += [(f"grpo.{name}.trl", GRPOConfig, grpo_trl_options(s)) for name, s in config.grpo.items()]
     for field, cls, options in blocks:
         build_trl_config(f"{path}: {field}", cls, options, output_dir="/nonexistent/posttrain-check")
+
+
+def grpo_trl_options(stage: GRPOStage) -> dict:
+    """The stage's `trl:` block plus what its reward channels imply: channel weights, and
+    per-channel normalisation (GDPO) when there are several, unless the block says otherwise."""
+    options = {"reward_weights": list(stage.rewards.values())}
+    if len(stage.rewards) > 1:
+        options["multi_objective_aggregation"] = "normalize_then_sum"
+    return {**options, **stage.trl}
 
 
 def device_defaults() -> dict:

@@ -1,18 +1,32 @@
-"""Reward channels, open-r1 style: pure functions `(completions, **columns) -> list[float]`.
+"""Reward channels and guardrails, open-r1 style: pure functions of the completions.
 
-Each channel is made by a small factory from an environment and looked up in
-`REWARDS` by the name used in the config. TRL's GRPOTrainer calls them with the
-dataset's columns (`answer`, ...) as keyword arguments and logs each one's mean as
-`rewards/<name>/mean`.
+A channel is `(completions, **columns) -> list[float]`, made by a small factory from an
+environment and looked up in `REWARDS` by the name the config uses. Each declares its
+range, so a guardrail can pin a completion to the stage's minimum. TRL's GRPOTrainer
+calls channels with the dataset's columns (`answer`, ...) as keyword arguments, and
+logs each one's mean as `rewards/<name>/mean`.
+
+A guardrail is `(completions, **columns) -> list[bool]` (True = broken). Guardrails are
+rules, not weights: a completion that breaks one gets every channel's minimum, so its
+reward is the stage's minimum under both TRL aggregations (summing weighted channels,
+or normalising each channel within its group first, GDPO). The hit rate is logged per
+step as `guardrails/<name>/hit_rate` through TRL's `log_metric` hook.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from posttrain.envs.base import Environment
 
 RewardFn = Callable[..., list[float]]
+GuardFn = Callable[..., list[bool]]
+
+
+class Channel(NamedTuple):
+    make: Callable[[Environment], RewardFn]
+    low: float   # the channel's minimum: what a guardrail violation scores
+    high: float
 
 
 def correctness(env: Environment) -> RewardFn:
@@ -29,12 +43,74 @@ def parseable(env: Environment) -> RewardFn:
     return parseable
 
 
-REWARDS: dict[str, Callable[[Environment], RewardFn]] = {
-    "correctness": correctness,
-    "parseable": parseable,
+def digit_overlap(predicted: str | None, answer: str) -> float:
+    """Share of digit positions right, aligned from the units digit, over the longer length.
+
+    A dense signal for numeric answers: `84` for `85` scores 0.5, `185` for `85` 0.67.
+    """
+    if predicted is None:
+        return 0.0
+    width = max(len(predicted), len(answer))
+    matches = sum(p == a for p, a in zip(reversed(predicted), reversed(answer)))
+    return matches / width
+
+
+def digits(env: Environment) -> RewardFn:
+    """Partial credit per correct digit of the parsed answer (0..1)."""
+    def digits(completions, answer, **_):
+        return [digit_overlap(env.parse(c), a) for c, a in zip(completions, answer)]
+    return digits
+
+
+REWARDS: dict[str, Channel] = {
+    "correctness": Channel(correctness, 0.0, 1.0),
+    "parseable": Channel(parseable, 0.0, 1.0),
+    "digits": Channel(digits, 0.0, 1.0),
 }
 
 
-def build_rewards(env: Environment, names: list[str]) -> list[RewardFn]:
-    """The reward functions named in the config, in config order."""
-    return [REWARDS[name](env) for name in names]
+def unparseable(env: Environment) -> GuardFn:
+    """Broken when the environment's parser finds no answer (a format contract)."""
+    def unparseable(completions, **_):
+        return [env.parse(c) is None for c in completions]
+    return unparseable
+
+
+def overlong(env: Environment, max_chars: int = 8) -> GuardFn:
+    """Broken when the completion is longer than `max_chars` characters."""
+    def overlong(completions, **_):
+        return [len(c) > max_chars for c in completions]
+    return overlong
+
+
+GUARDRAILS: dict[str, Callable[[Environment], GuardFn]] = {"unparseable": unparseable, "overlong": overlong}
+
+
+def guarded(name: str, channel: Channel, env: Environment, guards: dict[str, GuardFn], log: bool) -> RewardFn:
+    """The channel, with every completion that breaks a guardrail pinned to its minimum.
+
+    `log`: whether this wrapper reports the guardrails' hit rates (one channel does).
+    """
+    score = channel.make(env)
+
+    def reward(completions, **columns):
+        values = score(completions, **columns)
+        broken = [False] * len(completions)
+        for guard_name, guard in guards.items():
+            hits = guard(completions, **columns)
+            broken = [b or h for b, h in zip(broken, hits)]
+            if log and "log_metric" in columns:
+                columns["log_metric"](f"guardrails/{guard_name}/hit_rate", sum(hits) / max(1, len(hits)))
+        return [channel.low if b else v for b, v in zip(broken, values)]
+
+    reward.__name__ = name  # TRL names the logged curve after the function
+    return reward
+
+
+def build_rewards(env: Environment, channels: dict[str, float] | list[str],
+                  guardrails: list[str] = ()) -> tuple[list[RewardFn], list[float]]:
+    """The stage's reward functions and weights, in config order, guardrails applied."""
+    weights = channels if isinstance(channels, dict) else {name: 1.0 for name in channels}
+    guards = {name: GUARDRAILS[name](env) for name in guardrails}
+    funcs = [guarded(name, REWARDS[name], env, guards, log=(i == 0)) for i, name in enumerate(weights)]
+    return funcs, [float(w) for w in weights.values()]

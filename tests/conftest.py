@@ -18,15 +18,16 @@ BIN = Path(sys.executable).parent
 
 # A config small enough for a stage smoke test: seconds, not minutes.
 SMALL = {
-    "extends": "pipeline.yaml",
     "model": {"tiny": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
                        "intermediate_size": 64, "max_positions": 32}},
     "data": {"options": {"operand_max": 9, "heldout_size": 20}},
     "sft": {"trl": {"num_train_epochs": 2, "per_device_train_batch_size": 16, "logging_steps": 2}},
-    "grpo": [{"name": "correctness", "rewards": ["correctness"],
-              "trl": {"max_steps": 4, "per_device_train_batch_size": 8, "num_generations": 4,
-                      "max_completion_length": 4, "logging_steps": 2, "save_steps": 2, "disable_tqdm": True}}],
+    "grpo": {"dense": {"from": "sft", "rewards": {"correctness": 1.0, "digits": 0.5},
+                       "guardrails": ["unparseable"], "pass_rate_filter": {"samples": 4},
+                       "trl": {"max_steps": 4, "per_device_train_batch_size": 8, "num_generations": 4,
+                               "max_completion_length": 4, "logging_steps": 2, "save_steps": 2}}},
     "evaluate": {"n_samples": 4, "k": [1, 4], "max_new_tokens": 4},
+    "gate": {"n_samples": 4, "k": 4, "tolerance": 1.0},
     "orchestration": {"retries": 0},
 }
 
@@ -63,7 +64,7 @@ def make_workspace(dest: Path, overrides: dict) -> Path:
     shutil.copytree(REPO / "configs", dest / "configs")
     shutil.copytree(REPO / "posttrain", dest / "posttrain", ignore=shutil.ignore_patterns("__pycache__"))
     overrides_file = dest / "configs" / "overrides.yaml"
-    overrides_file.write_text(yaml.safe_dump(overrides, sort_keys=False))
+    overrides_file.write_text(yaml.safe_dump({"extends": "pipeline.yaml", **overrides}, sort_keys=False))
     config = read_config_dict(overrides_file)
     overrides_file.unlink()
     (dest / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(config, sort_keys=False))

@@ -19,3 +19,16 @@ def test_run_dir_drops_stale_runs(tmp_path):
     (tmp_path / "ckpt" / "x").mkdir(parents=True)
     new = checkpoints.run_dir(root, {"lr": 2}, [])
     assert new != old and sorted(p.name for p in root.iterdir()) == []
+
+
+def test_resume_skips_a_checkpoint_cut_off_mid_save(tmp_path):
+    from posttrain.training import last_complete_checkpoint
+
+    for step, complete in [(10, True), (20, True), (30, False)]:   # killed while writing checkpoint-30
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        if complete:
+            (folder / "trainer_state.json").write_text("{}")
+    assert last_complete_checkpoint(str(tmp_path)).endswith("checkpoint-20")
+    assert not (tmp_path / "checkpoint-30").exists()
+    assert last_complete_checkpoint(str(tmp_path / "missing")) is None

@@ -40,8 +40,8 @@ def test_bad_arguments(args, needles):
 
 def test_check_rejects_a_malformed_config(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("grpo: [{name: a, trl: {learnin_rate: 1}}]\n")
-    assert_one_line_error(posttrain("check", "--config", bad), "bad.yaml", "grpo[0].trl.learnin_rate")
+    bad.write_text("grpo: {a: {from: sft, trl: {learnin_rate: 1}}}\n")
+    assert_one_line_error(posttrain("check", "--config", bad), "bad.yaml", "grpo.a.trl.learnin_rate")
 
 
 @pytest.fixture

@@ -28,11 +28,14 @@ def write(tmp_path, text: str) -> Path:
     ("bogus: 1\n", "bogus", "remove it"),                                              # unknown top-level key
     ("sft: {trl: {learnin_rate: 0.1}}\n", "sft.trl.learnin_rate", "learning_rate"),   # TRL typo, with a hint
     ("sft: {trl: {output_dir: x}}\n", "sft.trl.output_dir", "remove it"),             # path owned by dvc.yaml
-    ("grpo: [{name: a, trl: {per_device_train_batch_size: 6, num_generations: 4}}]\n",
-     "grpo[0].trl", "GRPOConfig"),                                                     # TRL's own invariant
-    ("grpo: [{name: a, rewards: [vibes]}]\n", "grpo[0].rewards", "correctness"),       # unknown reward channel
-    ("grpo: [{name: a}, {name: a}]\n", "grpo", "unique"),                              # duplicate stage names
-    ("grpo: []\n", "grpo", "at least 1"),                                              # no GRPO stage
+    ("grpo: {dense: {trl: {per_device_train_batch_size: 6, num_generations: 4}}}\n",
+     "grpo.dense.trl", "GRPOConfig"),                                                  # TRL's own invariant
+    ("grpo: {dense: {rewards: {vibes: 1}}}\n", "grpo.dense.rewards", "correctness"),  # unknown reward channel
+    ("grpo: {dense: {guardrails: [nice]}}\n", "grpo.dense.guardrails", "unparseable"),  # unknown guardrail
+    ("grpo: {more: {from: sft}}\n", "grpo", "from: dense"),                          # stages must chain
+    ("grpo: {dense: null, sft2: {trl: {}}}\n", "grpo.sft2.from", "required"),         # every stage says `from`
+    ("grpo: {dense: null, sft: {from: sft}}\n", "grpo", "must match"),               # reserved stage name
+    ("gate: {k: 32}\n", "gate.k", "n_samples"),                                      # gate k beyond its samples
     ("evaluate: {k: [1, 99]}\n", "evaluate.k", "n_samples"),                           # k beyond the samples
     ("model: {path: /does/not/exist}\n", "model.path", "save_pretrained"),             # bad model path
     ("serving: {gpu_memory_utilization: 1.5}\n", "serving.gpu_memory_utilization", "valid value"),

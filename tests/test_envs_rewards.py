@@ -3,7 +3,7 @@
 import pytest
 
 from posttrain.envs import get_env
-from posttrain.rewards import REWARDS, build_rewards
+from posttrain.rewards import REWARDS, build_rewards, digit_overlap
 
 
 @pytest.fixture
@@ -42,8 +42,31 @@ def test_sft_targets_satisfy_the_verifier(env):
 
 
 def test_reward_channels(env):
-    correctness, parseable = build_rewards(env, ["correctness", "parseable"])
-    completions, answers = ["5", "6", "x"], ["5", "5", "5"]
-    assert correctness(completions, answer=answers) == [1.0, 0.0, 0.0]
-    assert parseable(completions, answer=answers) == [1.0, 1.0, 0.0]
-    assert set(REWARDS) >= {"correctness", "parseable"}
+    (correctness, parseable, digits), weights = build_rewards(env, {"correctness": 1, "parseable": 0.5, "digits": 2})
+    completions, answers = ["15", "16", "x", "115"], ["15", "15", "15", "15"]
+    assert correctness(completions, answer=answers) == [1.0, 0.0, 0.0, 0.0]
+    assert parseable(completions, answer=answers) == [1.0, 1.0, 0.0, 1.0]
+    assert digits(completions, answer=answers) == pytest.approx([1.0, 0.5, 0.0, 2 / 3])
+    assert weights == [1.0, 0.5, 2.0] and digits.__name__ == "digits"   # TRL logs rewards/digits/mean
+    assert set(REWARDS) >= {"correctness", "parseable", "digits"}
+
+
+@pytest.mark.parametrize("predicted,answer,score", [
+    ("85", "85", 1.0),      # all digits
+    ("84", "85", 0.5),      # tens right
+    ("185", "85", 2 / 3),   # an extra digit costs its share
+    ("5", "85", 0.5),       # units right, one digit missing
+    (None, "85", 0.0),      # nothing parsed
+])
+def test_digit_overlap(predicted, answer, score):
+    assert digit_overlap(predicted, answer) == pytest.approx(score)
+
+
+def test_guardrail_pins_every_channel_to_its_minimum(env):
+    logged = {}
+    funcs, _ = build_rewards(env, {"correctness": 1.0, "digits": 1.0}, guardrails=["overlong"])
+    completions = ["15", "15        ", "14"]   # the second is right but breaks the 8-character rule
+    columns = {"answer": ["15"] * 3, "log_metric": logged.__setitem__}
+    assert funcs[0](completions, **columns) == [1.0, 0.0, 0.0]
+    assert funcs[1](completions, **columns) == [1.0, 0.0, 0.5]
+    assert logged == {"guardrails/overlong/hit_rate": pytest.approx(1 / 3)}

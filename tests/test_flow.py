@@ -26,8 +26,8 @@ def test_one_parent_and_one_child_per_stage(flow_runs):
     for parent_id in parents["run_id"]:
         children = runs[runs["tags.mlflow.parentRunId"] == parent_id]
         # stages appear in DVC's order; serving and evaluate both follow grpo
-        assert list(children["tags.mlflow.runName"])[:3] == ["prepare", "sft", "grpo"]
-        assert set(children["tags.mlflow.runName"]) == {"prepare", "sft", "grpo", "serving", "evaluate"}
+        assert list(children["tags.mlflow.runName"])[:3] == ["prepare", "sft", "grpo@dense"]
+        assert set(children["tags.mlflow.runName"]) == {"prepare", "sft", "grpo@dense", "serving", "evaluate"}
         assert set(children["status"]) == {"FINISHED"}
 
 
@@ -52,9 +52,9 @@ def test_child_runs_hold_their_artifacts(flow_runs):
     assert "data_manifest.json" in listed("prepare")
     assert "dvc_outputs.json" in listed("sft")                         # the checkpoint's DVC reference
     assert "serving_report.json" in listed("serving")
-    assert {"samples/base.json", "samples/sft.json", "samples/grpo.json"} <= listed("evaluate", "samples")
-    outputs = mlflow.artifacts.load_dict(f"runs:/{children.loc['grpo', 'run_id']}/dvc_outputs.json")
-    assert outputs["artifacts/grpo"].endswith(".dir")
+    assert {"samples/base.json", "samples/sft.json", "samples/grpo.dense.json"} <= listed("evaluate", "samples")
+    outputs = mlflow.artifacts.load_dict(f"runs:/{children.loc['grpo@dense', 'run_id']}/dvc_outputs.json")
+    assert outputs["artifacts/models/dense"].endswith(".dir")
 
 
 def test_second_run_is_cached_with_recorded_metrics(flow_runs):

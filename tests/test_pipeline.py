@@ -21,10 +21,10 @@ def reproduced(tmp_path_factory):
 
 
 def test_every_stage_writes_its_metrics(reproduced):
-    for stage in ("prepare", "sft", "grpo", "serving", "evaluate"):
+    for stage in ("prepare", "sft", "grpo/dense", "serving", "evaluate"):
         assert (reproduced / "metrics" / f"{stage}.json").is_file(), stage
     report = json.loads((reproduced / "metrics" / "evaluate.json").read_text())
-    assert list(report) == ["base", "sft", "grpo"]
+    assert list(report) == ["base", "sft", "grpo.dense", "grpo"]
     for result in report.values():
         assert 0 <= result["greedy_accuracy"] <= 1 and set(result["pass_at_k"]) == {"1", "4"}
         assert result["pass_at_k"]["1"] <= result["pass_at_k"]["4"]
@@ -42,9 +42,12 @@ def test_each_stage_logs_a_run_with_trl_curves(reproduced):
     mlflow.set_tracking_uri(f"sqlite:///{reproduced / 'mlflow.db'}")
     runs = mlflow.search_runs(search_all_experiments=True)
     by_stage = {row["tags.posttrain.stage"]: row for _, row in runs.iterrows()}
-    assert set(by_stage) == {"prepare", "sft", "grpo", "serving", "evaluate"}
+    assert set(by_stage) == {"prepare", "sft", "grpo@dense", "serving", "evaluate"}
     assert "metrics.train_loss" in runs and by_stage["sft"]["metrics.train_loss"] > 0
-    assert by_stage["grpo"]["metrics.rewards/correctness/mean"] >= 0      # TRL's own curve, via MLflow
+    grpo = by_stage["grpo@dense"]
+    assert grpo["metrics.rewards/digits/mean"] >= 0                         # TRL's own curves, via MLflow
+    assert grpo["metrics.guardrails/unparseable/hit_rate"] >= 0            # guardrail hits per step
+    assert grpo["metrics.stage.frac_reward_zero_std_mean"] >= 0 and grpo["tags.posttrain.gate"] == "accepted"
     assert by_stage["prepare"]["tags.git.commit"]                          # a stage run alone carries provenance
 
 

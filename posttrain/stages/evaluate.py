@@ -1,6 +1,7 @@
-"""Stage `evaluate`: base, SFT and GRPO models on the held-out split.
+"""Stage `evaluate`: base, SFT and every GRPO stage's model on the held-out split.
 
-`metrics/evaluate.json` holds, per model, `greedy_accuracy` and `pass_at_k` (k -> value).
+`metrics/evaluate.json` holds, per model, `greedy_accuracy` and `pass_at_k` (k -> value):
+`base`, `sft`, `grpo.<stage>` for each GRPO stage, and `grpo` for the final model.
 """
 
 from __future__ import annotations
@@ -15,17 +16,31 @@ from posttrain.io import flatten, read_jsonl, resolve_model_dir, write_json
 from posttrain.tracking import stage_run
 
 
-def main(config, *, data_dir: str, models: dict[str, str], metrics_path: str,
+def model_dirs(config, models_dir: str) -> dict[str, str]:
+    """Report name -> model folder: base, sft, then each GRPO stage in order."""
+    dirs = {"base": resolve_model_dir(Path(models_dir) / "base"), "sft": str(Path(models_dir) / "sft")}
+    return dirs | {f"grpo.{name}": str(Path(models_dir) / name) for name in config.grpo}
+
+
+def final_model_dir(config, models_dir: str) -> str:
+    """The pipeline's result: what the last GRPO stage output (trained, or carried through)."""
+    return str(Path(models_dir) / list(config.grpo)[-1])
+
+
+def main(config, *, data_dir: str, models_dir: str, metrics_path: str,
          accuracy_plot: str, pass_at_k_plot: str) -> dict:
+    settings = config.evaluate
     with stage_run(config, "evaluate"):
         env = get_env(config.data.env, **config.data.options)
-        rows = read_jsonl(Path(data_dir) / "heldout.jsonl")[:config.evaluate.max_prompts]
+        rows = read_jsonl(Path(data_dir) / "heldout.jsonl")[:settings.max_prompts]
         report = {}
-        for name, model_dir in models.items():
-            report[name], samples = evaluate_model(resolve_model_dir(model_dir), env, rows,
-                                                   config.evaluate, config.seed)
+        for name, model_dir in model_dirs(config, models_dir).items():
+            report[name], samples = evaluate_model(model_dir, env, rows, n_samples=settings.n_samples,
+                                                   temperature=settings.temperature, ks=settings.k,
+                                                   max_new_tokens=settings.max_new_tokens, seed=config.seed)
             mlflow.log_table({key: [s[key] for s in samples] for key in samples[0]},
                              artifact_file=f"samples/{name}.json")
+        report["grpo"] = report[f"grpo.{list(config.grpo)[-1]}"]
         mlflow.log_params({"heldout_prompts": len(rows), "n_samples": config.evaluate.n_samples,
                            "temperature": config.evaluate.temperature})
         mlflow.log_metrics(flatten(report))

@@ -1,7 +1,9 @@
-"""Stage `grpo`: GRPO stages with TRL's GRPOTrainer, each starting where the last ended.
+"""Stage `grpo@<name>`: one GRPO stage with TRL's GRPOTrainer, gated on held-out truth.
 
-Reward channels come from the environment's registry (`posttrain.rewards`); each
-stage's `trl:` block goes into `GRPOConfig` unchanged.
+The stage starts from the model the previous stage accepted (`from:`), keeps only the
+training prompts whose pass rate lies inside the configured band, trains, evaluates the
+result on the held-out split, and outputs it only if the gate accepts it; otherwise it
+outputs the previous model unchanged. Each stage's `trl:` block goes into `GRPOConfig`.
 """
 
 from __future__ import annotations
@@ -12,54 +14,121 @@ from pathlib import Path
 import mlflow
 
 from posttrain import checkpoints
-from posttrain.config import build_trl_config
+from posttrain.config import build_trl_config, grpo_trl_options
 from posttrain.envs import get_env
+from posttrain.evaluation import pass_rates
+from posttrain.gate import decide
 from posttrain.io import read_jsonl, write_json
 from posttrain.rewards import build_rewards
-from posttrain.stages.sft import train
 from posttrain.tracking import stage_run
+from posttrain.training import gate_evaluation, read_card, train, write_card
+
+ZERO_STD_WARNING = 0.5
 
 
-def main(config, *, data_dir: str, init_dir: str, out_dir: str, checkpoint_dir: str,
+def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, checkpoint_dir: str,
          metrics_path: str, curve_path: str) -> dict[str, float]:
-    with stage_run(config, "grpo"):
+    stage = config.grpo[name]
+    with stage_run(config, f"grpo@{name}"):
         env = get_env(config.data.env, **config.data.options)
-        rows = read_jsonl(Path(data_dir) / "train.jsonl")
-        metrics, curve, start = {}, [], init_dir
-        for stage in config.grpo:
-            stage_out = str(Path(out_dir) / stage.name)
-            run_dir = checkpoints.run_dir(Path(checkpoint_dir) / stage.name,
-                                          [config.seed, stage.model_dump()], [Path(data_dir), start])
-            stage_metrics, stage_curve = run_stage(config, stage, env, rows, start, stage_out, run_dir)
-            metrics[stage.name] = stage_metrics
-            curve += [{"stage": stage.name, **point} for point in stage_curve]
-            start = stage_out
-        shutil.copytree(start, Path(out_dir) / "final")
+        previous = read_card(init_dir) or {"eval": gate_evaluation(init_dir, env, config, data_dir)}
+        if previous.get("stopped_at"):
+            return pass_through(init_dir, out_dir, previous, metrics_path, curve_path)
+        rows, metrics = filter_prompts(config, stage, env, init_dir, read_jsonl(Path(data_dir) / "train.jsonl"))
+        run_dir = checkpoints.run_dir(checkpoint_dir, [config.seed, stage.model_dump()], [Path(data_dir), init_dir])
+        curve, train_metrics = run_trainer(config, name, env, rows, init_dir, out_dir, run_dir)
+        metrics.update(train_metrics)
+        candidate = gate_evaluation(out_dir, env, config, data_dir)
+        decision = decide(previous["eval"], candidate, k=config.gate.k, tolerance=config.gate.tolerance)
+        card = {"stage": name, "eval": candidate}
+        if not decision.accepted:
+            shutil.rmtree(out_dir)
+            shutil.copytree(init_dir, out_dir)
+            stop = name if config.gate.on_reject == "stop" else None
+            card = {**previous, "rejected": name, "stopped_at": stop}
+        write_card(out_dir, card)
         checkpoints.clear(checkpoint_dir)
-        mlflow.log_metrics({f"{name}.{k}": v for name, m in metrics.items() for k, v in m.items()})
-        write_json(metrics_path, metrics)
-        write_json(curve_path, curve)
+        metrics.update(gate_metrics(candidate, decision.accepted, config.gate.k))
+        record(name, metrics, decision, curve, metrics_path, curve_path)
     return metrics
 
 
-def run_stage(config, stage, env, rows, init_dir, out_dir, checkpoint_dir):
-    """Train one GRPO stage; returns its summary metrics and its reward curve."""
+def filter_prompts(config, stage, env, init_dir: str, rows: list[dict]) -> tuple[list[dict], dict]:
+    """The prompts inside the pass-rate band, and the filter's counts and zero-std shares.
+
+    A prompt whose samples are all right or all wrong gives its group zero advantage; the
+    share of such prompts is the zero-std share the stage would see without the filter.
+    """
+    band = stage.pass_rate_filter
+    if not band.enabled:
+        return rows, {"prompts_kept": float(len(rows)), "prompts_dropped": 0.0}
+    temperature = band.temperature or stage.trl.get("temperature", 1.0)
+    rates = pass_rates(init_dir, env, rows, samples=band.samples, temperature=temperature,
+                       max_new_tokens=stage.trl.get("max_completion_length", config.evaluate.max_new_tokens),
+                       seed=config.seed)
+    kept = [r for r, p in zip(rows, rates) if band.min_pass_rate < p < band.max_pass_rate]
+    if not kept:
+        kept = rows  # nothing inside the band: training on everything beats training on nothing
+    share = sum(p in (0.0, 1.0) for p in rates) / len(rates)
+    kept_share = sum(p in (0.0, 1.0) for r, p in zip(rows, rates) if r in kept) / len(kept)
+    return kept, {"prompts_kept": float(len(kept)), "prompts_dropped": float(len(rows) - len(kept)),
+                  "zero_std_share_unfiltered_est": share, "zero_std_share_filtered_est": kept_share,
+                  "pass_rate_mean": sum(rates) / len(rates)}
+
+
+def run_trainer(config, name, env, rows, init_dir, out_dir, run_dir) -> tuple[list[dict], dict]:
+    """Train with TRL; returns the reward curve and the training summary."""
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
+    stage = config.grpo[name]
+    funcs, _ = build_rewards(env, stage.rewards, stage.guardrails)
+    args = build_trl_config(f"grpo.{name}.trl", GRPOConfig, {"seed": config.seed, **grpo_trl_options(stage)},
+                            output_dir=run_dir, report_to=["mlflow"], run_name=name)
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
-    args = build_trl_config(f"grpo.{stage.name}.trl", GRPOConfig, {"seed": config.seed, **stage.trl},
-                            output_dir=checkpoint_dir, report_to=["mlflow"], run_name=stage.name)
-    trainer = GRPOTrainer(model=init_dir, reward_funcs=build_rewards(env, stage.rewards), args=args,
-                          train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(init_dir))
-    seconds = train(trainer, checkpoint_dir)
+    trainer = GRPOTrainer(model=init_dir, reward_funcs=funcs, args=args, train_dataset=dataset,
+                          processing_class=AutoTokenizer.from_pretrained(init_dir))
+    seconds, resumed = train(trainer, run_dir)
     trainer.save_model(out_dir)
-    logs = [entry for entry in trainer.state.log_history if "reward" in entry]
-    curve = [{"step": e["step"], "reward": e["reward"], "frac_reward_zero_std": e["frac_reward_zero_std"]}
+    logs = [e for e in trainer.state.log_history if "reward" in e]
+    curve = [{"step": e["step"], "reward": e["reward"], "frac_reward_zero_std": e["frac_reward_zero_std"],
+              **{k.split("/")[1]: e[k] for k in e if k.startswith("rewards/") and k.endswith("/mean")}}
              for e in logs]
     zero_std = [e["frac_reward_zero_std"] for e in logs] or [0.0]
-    return {"train_seconds": seconds, "steps": float(trainer.state.global_step),
-            "reward_first": logs[0]["reward"] if logs else 0.0, "reward_last": logs[-1]["reward"] if logs else 0.0,
-            "frac_reward_zero_std_mean": sum(zero_std) / len(zero_std),
-            "frac_reward_zero_std_last": zero_std[-1]}, curve
+    return curve, {"train_seconds": seconds, "steps": float(trainer.state.global_step),
+                   "resumed_from_step": float(resumed),
+                   "reward_first": logs[0]["reward"] if logs else 0.0,
+                   "reward_last": logs[-1]["reward"] if logs else 0.0,
+                   "frac_reward_zero_std_mean": sum(zero_std) / len(zero_std),
+                   "frac_reward_zero_std_last": zero_std[-1]}
+
+
+def gate_metrics(candidate: dict, accepted: bool, k: int) -> dict:
+    return {"candidate_greedy_accuracy": candidate["greedy_accuracy"],
+            f"candidate_pass_at_{k}": candidate["pass_at_k"][str(k)], "accepted": float(accepted)}
+
+
+def record(name, metrics, decision, curve, metrics_path, curve_path) -> None:
+    """Metrics to MLflow and metrics/, the gate's verdict as tags, loud warnings."""
+    mlflow.log_metrics({f"stage.{k}": v for k, v in metrics.items()})
+    tags = {"posttrain.gate": "accepted" if decision.accepted else "rejected", "posttrain.gate_reason": decision.reason}
+    if metrics.get("frac_reward_zero_std_mean", 0.0) > ZERO_STD_WARNING:
+        warning = (f"stage {name}: {metrics['frac_reward_zero_std_mean']:.0%} of groups had zero reward variance "
+                   "(no gradient); widen the pass-rate band, add a denser reward channel, or change temperature")
+        print(f"posttrain: WARNING: {warning}", flush=True)
+        tags["posttrain.warning.zero_std"] = warning
+    print(f"posttrain: gate {tags['posttrain.gate']} stage {name}: {decision.reason}", flush=True)
+    mlflow.set_tags(tags)
+    write_json(metrics_path, metrics)
+    write_json(curve_path, curve)
+
+
+def pass_through(init_dir, out_dir, previous, metrics_path, curve_path) -> dict[str, float]:
+    """An earlier stage was rejected with `on_reject: stop`: output the model unchanged."""
+    shutil.copytree(init_dir, out_dir)
+    mlflow.set_tags({"posttrain.gate": "skipped", "posttrain.gate_reason": f"stopped at {previous['stopped_at']}"})
+    metrics = {"skipped": 1.0, "accepted": 0.0}
+    write_json(metrics_path, metrics)
+    write_json(curve_path, [])
+    return metrics

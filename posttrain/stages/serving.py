@@ -37,10 +37,12 @@ def predict(model_dir: str, serving, profile: dict) -> dict:
             **cap.__dict__}
 
 
-def main(config, *, model_dir: str, gpus_path: str, report_path: str, metrics_path: str) -> dict[str, float]:
+def main(config, *, models_dir: str, gpus_path: str, report_path: str, metrics_path: str) -> dict[str, float]:
+    from posttrain.stages.evaluate import final_model_dir
+
     profile = load_gpu_profile(gpus_path, config.serving.gpu)
     with stage_run(config, "serving"):
-        report = predict(resolve_model_dir(model_dir), config.serving, profile)
+        report = predict(resolve_model_dir(final_model_dir(config, models_dir)), config.serving, profile)
         metrics = {k: float(v) for k, v in report.items() if isinstance(v, (int, float))}
         mlflow.log_params({"gpu": config.serving.gpu, "context_length": config.serving.context_length,
                            "tensor_parallel_size": config.serving.tensor_parallel_size,

@@ -2,19 +2,21 @@
 
 The `sft.trl` block goes into `SFTConfig` unchanged; posttrain sets only the output
 folder (checkpoints outside the DVC output, so a rerun can resume) and MLflow logging.
+The warmed-up model is evaluated on the held-out split: the first GRPO gate's baseline.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import mlflow
 
 from posttrain import checkpoints
 from posttrain.config import build_trl_config
+from posttrain.envs import get_env
 from posttrain.io import read_jsonl, resolve_model_dir, write_json
 from posttrain.tracking import stage_run
+from posttrain.training import gate_evaluation, train, write_card
 
 
 def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: str,
@@ -32,24 +34,17 @@ def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: 
                                 output_dir=run_dir, report_to=["mlflow"], run_name="sft")
         trainer = SFTTrainer(model=base, args=args, train_dataset=dataset,
                              processing_class=AutoTokenizer.from_pretrained(base))
-        seconds = train(trainer, run_dir)
+        seconds, resumed = train(trainer, run_dir)
         trainer.save_model(out_dir)
         checkpoints.clear(checkpoint_dir)
-        metrics = {"train_seconds": seconds, "train_loss": trainer.state.log_history[-1].get("train_loss", 0.0),
-                   "steps": float(trainer.state.global_step)}
-        mlflow.log_metrics(metrics)
+        evaluation = gate_evaluation(out_dir, get_env(config.data.env, **config.data.options), config, data_dir)
+        write_card(out_dir, {"stage": "sft", "eval": evaluation})
+        k = config.gate.k
+        metrics = {"train_seconds": seconds, "steps": float(trainer.state.global_step),
+                   "resumed_from_step": float(resumed),
+                   "train_loss": next((e["train_loss"] for e in reversed(trainer.state.log_history)
+                                       if "train_loss" in e), 0.0),
+                   "greedy_accuracy": evaluation["greedy_accuracy"], f"pass_at_{k}": evaluation["pass_at_k"][str(k)]}
+        mlflow.log_metrics({f"stage.{k}": v for k, v in metrics.items()})
         write_json(metrics_path, metrics)
     return metrics
-
-
-def train(trainer, checkpoint_dir: str) -> float:
-    """Run `trainer.train()`, resuming from the newest checkpoint if one exists.
-
-    Returns the wall time of `train()` in seconds (the orchestration benchmark's unit).
-    """
-    from transformers.trainer_utils import get_last_checkpoint
-
-    last = get_last_checkpoint(checkpoint_dir) if Path(checkpoint_dir).is_dir() else None
-    start = time.perf_counter()
-    trainer.train(resume_from_checkpoint=last)
-    return time.perf_counter() - start

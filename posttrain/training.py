@@ -1,0 +1,62 @@
+"""What the training stages share: resuming, held-out evaluation, the model card."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from posttrain.evaluation import evaluate_model
+from posttrain.io import read_json, read_jsonl, write_json
+
+CARD = "posttrain_card.json"
+
+
+def last_complete_checkpoint(checkpoint_dir: str) -> str | None:
+    """The newest `checkpoint-N` that was written to the end; partial ones are deleted.
+
+    The Trainer writes `trainer_state.json` after the weights and optimizer, so a process
+    killed mid-save leaves a folder without it: resuming from that would fail.
+    """
+    import shutil
+
+    root = Path(checkpoint_dir)
+    found = sorted(root.glob("checkpoint-*"), key=lambda p: int(p.name.rsplit("-", 1)[1]), reverse=True) \
+        if root.is_dir() else []
+    for candidate in found:
+        if (candidate / "trainer_state.json").is_file():
+            return str(candidate)
+        shutil.rmtree(candidate, ignore_errors=True)
+    return None
+
+
+def train(trainer, checkpoint_dir: str) -> tuple[float, int]:
+    """`trainer.train()`, resumed from the newest complete checkpoint in `checkpoint_dir`.
+
+    Returns (wall seconds of `train()`, the step it resumed from; 0 for a fresh start).
+    """
+    last = last_complete_checkpoint(checkpoint_dir)
+    resumed = int(last.rsplit("-", 1)[1]) if last else 0
+    if last:
+        print(f"posttrain: resuming from {last} (step {resumed})", flush=True)
+    start = time.perf_counter()
+    trainer.train(resume_from_checkpoint=last)
+    return time.perf_counter() - start, resumed
+
+
+def gate_evaluation(model_dir: str, env, config, data_dir: str) -> dict:
+    """Held-out greedy accuracy and the gate's pass@k for one model."""
+    gate = config.gate
+    rows = read_jsonl(Path(data_dir) / "heldout.jsonl")[:gate.max_prompts]
+    result, _ = evaluate_model(model_dir, env, rows, n_samples=gate.n_samples, temperature=gate.temperature,
+                               ks=[gate.k], max_new_tokens=config.evaluate.max_new_tokens, seed=config.seed)
+    return result
+
+
+def read_card(model_dir: str) -> dict:
+    """The model card a training stage left next to its weights ({} when there is none)."""
+    path = Path(model_dir) / CARD
+    return read_json(path) if path.is_file() else {}
+
+
+def write_card(model_dir: str, card: dict) -> None:
+    write_json(Path(model_dir) / CARD, card)

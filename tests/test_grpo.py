@@ -1,0 +1,148 @@
+"""GRPO stages on real TRL: guardrails, the gate, and resuming after kill -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import BIN, CHILD_ENV_DROP, SMALL, make_workspace, sh
+
+pytestmark = pytest.mark.slow
+
+# SMALL, trained long enough that the SFT model is clearly better than chance: a
+# harmful stage then has something to destroy.
+LEARNED = {**SMALL,
+           "model": {"tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
+                              "intermediate_size": 128, "max_positions": 32}},
+           "sft": {"trl": {"num_train_epochs": 60, "per_device_train_batch_size": 16, "learning_rate": 3e-3,
+                           "logging_steps": 50}},
+           "gate": {"n_samples": 4, "k": 4, "tolerance": 0.0}}
+
+
+def length_channel(env):
+    """Test-only channel that prefers long completions: what a guardrail must overrule."""
+    def length(completions, **_):
+        return [min(1.0, len(c) / 12) for c in completions]
+    return length
+
+
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+def test_guardrail_gets_the_minimum_whatever_the_channels_say(tmp_path, monkeypatch, aggregation):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from posttrain import rewards
+    from posttrain.config import device_defaults
+    from posttrain.envs import get_env
+    from posttrain.tiny_model import save_tiny_model
+
+    monkeypatch.setitem(rewards.REWARDS, "length", rewards.Channel(length_channel, 0.0, 1.0))
+    model_dir = tmp_path / "model"
+    save_tiny_model(model_dir, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                    max_positions=32, seed=0)
+    env = get_env("arithmetic", operand_max=9, heldout_size=20)
+    funcs, weights = rewards.build_rewards(env, {"length": 1.0, "correctness": 1.0}, guardrails=["overlong"])
+    rows = env.generate(0)["train"][:8]
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=32,
+                      num_generations=8, max_completion_length=12, temperature=1.5, reward_weights=weights,
+                      multi_objective_aggregation=aggregation, report_to=[], save_strategy="no", seed=0,
+                      **device_defaults())
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=funcs, args=args,
+                          train_dataset=Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]}
+                                                           for r in rows]),
+                          processing_class=AutoTokenizer.from_pretrained(model_dir))
+    trainer.train()
+    logs = trainer._logs
+    completions, advantages = list(logs["completion"]), list(logs["advantages"])
+    length, correct = list(logs["rewards"]["length"]), list(logs["rewards"]["correctness"])
+    broken = [len(c) > 8 for c in completions]
+    mixed_groups = 0
+    for start in range(0, len(completions), 8):
+        group = range(start, start + 8)
+        if not any(broken[i] for i in group) or all(broken[i] for i in group):
+            continue
+        mixed_groups += 1
+        lowest = min(advantages[i] for i in group)
+        for i in group:
+            if broken[i]:
+                # the longest completions would top the length channel; the guardrail overrules it
+                assert length[i] == 0.0 and correct[i] == 0.0
+                assert advantages[i] == pytest.approx(lowest)
+    assert mixed_groups > 0, "no group mixed violators and non-violators; the test proves nothing"
+
+
+def run_repro(ws, *targets, check=True):
+    return sh("dvc", "repro", *targets, cwd=ws, check=check)
+
+
+@pytest.fixture(scope="module")
+def learned_workspace(tmp_path_factory):
+    ws = make_workspace(tmp_path_factory.mktemp("gate") / "ws", LEARNED)
+    run_repro(ws, "sft")
+    return ws
+
+
+def test_the_sft_warmup_learned_something(learned_workspace):
+    sft = json.loads((learned_workspace / "metrics" / "sft.json").read_text())
+    assert sft["greedy_accuracy"] >= 0.2, sft
+
+
+def test_gate_rejects_a_harmful_stage_and_keeps_the_previous_model(learned_workspace):
+    import yaml
+
+    ws = learned_workspace
+    config = yaml.safe_load((ws / "configs" / "pipeline.yaml").read_text())
+    config["grpo"]["dense"]["trl"].update(learning_rate=5.0, max_steps=6)   # far too high: wrecks the model
+    config["grpo"]["after"] = {**config["grpo"]["dense"], "from": "dense"}
+    config["grpo"]["after"]["trl"] = {**config["grpo"]["dense"]["trl"], "learning_rate": 1e-5, "max_steps": 2}
+    (ws / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    done = run_repro(ws)
+    assert "gate rejected stage dense" in done.stdout
+    dense = json.loads((ws / "metrics" / "grpo" / "dense.json").read_text())
+    sft = json.loads((ws / "metrics" / "sft.json").read_text())
+    assert dense["accepted"] == 0.0 and dense["candidate_greedy_accuracy"] < sft["greedy_accuracy"]
+    # the rejected stage's output is the SFT model, byte for byte
+    weights = "model.safetensors"
+    assert (ws / "artifacts/models/dense" / weights).read_bytes() == (ws / "artifacts/models/sft" / weights).read_bytes()
+    report = json.loads((ws / "metrics" / "evaluate.json").read_text())
+    assert report["grpo.dense"]["greedy_accuracy"] == report["sft"]["greedy_accuracy"]
+    import mlflow
+    mlflow.set_tracking_uri(f"sqlite:///{ws / 'mlflow.db'}")
+    runs = mlflow.search_runs(search_all_experiments=True, filter_string="tags.`posttrain.stage` = 'grpo@dense'")
+    assert runs.iloc[0]["tags.posttrain.gate"] == "rejected"
+    assert "greedy accuracy fell" in runs.iloc[0]["tags.posttrain.gate_reason"]
+
+
+def test_killed_stage_resumes_from_its_checkpoint(tmp_path):
+    overrides = {**LEARNED, "grpo": {"dense": {"from": "sft", "pass_rate_filter": {"enabled": False},
+                                               "trl": {"max_steps": 200, "save_steps": 10, "logging_steps": 10,
+                                                       "per_device_train_batch_size": 8, "num_generations": 4}}}}
+    killed, whole = (make_workspace(tmp_path / name, overrides) for name in ("killed", "whole"))
+    for ws in (killed, whole):
+        run_repro(ws, "sft")
+    env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROP}
+    env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
+    proc = subprocess.Popen(["dvc", "repro", "grpo@dense"], cwd=killed, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not list((killed / "checkpoints/grpo/dense").glob("*/checkpoint-20/trainer_state.json")) \
+            and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)           # kill -9 the whole stage, DVC included
+    proc.wait()
+    assert not (killed / "metrics" / "grpo" / "dense.json").exists()
+    done = run_repro(killed, "grpo@dense")
+    assert "posttrain: resuming from" in done.stdout
+    run_repro(whole, "grpo@dense")
+    resumed, reference = (json.loads((ws / "metrics" / "grpo" / "dense.json").read_text()) for ws in (killed, whole))
+    assert resumed["resumed_from_step"] >= 20 and resumed["steps"] == reference["steps"] == 200
+    assert reference["resumed_from_step"] == 0
+    # the same run, interrupted or not: the same held-out result within sampling noise
+    assert abs(resumed["candidate_greedy_accuracy"] - reference["candidate_greedy_accuracy"]) <= 0.1
+    assert abs(resumed["reward_last"] - reference["reward_last"]) <= 0.2
