@@ -120,9 +120,10 @@ def test_gate_rejects_a_harmful_stage_and_keeps_the_previous_model(learned_works
 
 
 def test_killed_stage_resumes_from_its_checkpoint(tmp_path):
-    overrides = {**LEARNED, "grpo": {"dense": {"from": "sft", "pass_rate_filter": {"enabled": False},
-                                               "trl": {"max_steps": 200, "save_steps": 10, "logging_steps": 10,
-                                                       "per_device_train_batch_size": 8, "num_generations": 4}}}}
+    overrides = {**LEARNED, "sft": {"trl": {**LEARNED["sft"]["trl"], "num_train_epochs": 30}},
+                 "grpo": {"dense": {"from": "sft", "pass_rate_filter": {"enabled": False},
+                                    "trl": {"max_steps": 120, "save_steps": 10, "logging_steps": 10,
+                                            "per_device_train_batch_size": 8, "num_generations": 4}}}}
     killed, whole = (make_workspace(tmp_path / name, overrides) for name in ("killed", "whole"))
     for ws in (killed, whole):
         run_repro(ws, "sft")
@@ -141,7 +142,7 @@ def test_killed_stage_resumes_from_its_checkpoint(tmp_path):
     assert "posttrain: resuming from" in done.stdout
     run_repro(whole, "grpo@dense")
     resumed, reference = (json.loads((ws / "metrics" / "grpo" / "dense.json").read_text()) for ws in (killed, whole))
-    assert resumed["resumed_from_step"] >= 20 and resumed["steps"] == reference["steps"] == 200
+    assert resumed["resumed_from_step"] >= 20 and resumed["steps"] == reference["steps"] == 120
     assert reference["resumed_from_step"] == 0
     # the same run, interrupted or not: the same held-out result within sampling noise
     assert abs(resumed["candidate_greedy_accuracy"] - reference["candidate_greedy_accuracy"]) <= 0.1
