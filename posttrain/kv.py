@@ -92,7 +92,8 @@ class Capacity:
     block_size: int
     kv_memory_bytes: int
     num_blocks: int
-    kv_cache_tokens: int
+    block_tokens: int          # num_blocks x block_size: token slots in the pool
+    kv_cache_tokens: int       # vLLM's "KV cache size": max_concurrency x context_length
     context_length: int
     max_concurrency: float
 
@@ -101,14 +102,16 @@ def capacity(spec: KVSpec, *, kv_memory_bytes: int, block_size: int, context_len
     """vLLM's count: whole blocks of KV memory, and sessions of `context_length` tokens.
 
     num_blocks = kv_memory // (block_size x bytes per token); each session needs
-    ceil(L / block_size) blocks (fewer on sliding layers, counted via `session_bytes`).
+    ceil(L / block_size) whole blocks (fewer on sliding layers, via `session_bytes`);
+    max_concurrency = num_blocks / blocks per session; and, as vLLM 0.32 reports it
+    (`get_kv_cache_capacity`), KV cache tokens = int(max_concurrency x L).
     """
     block_bytes = block_size * spec.kv_bytes_per_token
     num_blocks = max(0, kv_memory_bytes // block_bytes) if block_bytes else 0
-    blocks_per_session = spec.session_bytes(math.ceil(context_length / block_size) * block_size) / block_bytes
-    return Capacity(spec.kv_bytes_per_token, block_size, kv_memory_bytes, num_blocks,
-                    num_blocks * block_size, context_length,
-                    num_blocks / blocks_per_session if blocks_per_session else 0.0)
+    blocks_per_session = math.ceil(spec.session_bytes(context_length) / block_bytes) if block_bytes else 0
+    concurrency = num_blocks / blocks_per_session if blocks_per_session else 0.0
+    return Capacity(spec.kv_bytes_per_token, block_size, kv_memory_bytes, num_blocks, num_blocks * block_size,
+                    int(concurrency * context_length), context_length, concurrency)
 
 
 def kv_memory_on_gpu(gpu_bytes: int, utilization: float, weights: int, reserve: int) -> int:

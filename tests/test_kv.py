@@ -51,10 +51,11 @@ def test_sliding_layers_hold_at_most_the_window():
 @pytest.mark.parametrize("kv_memory,context,blocks,tokens,concurrency", [
     (64 * 2**20, 256, 512, 65_536, 256.0),      # seen here with vLLM CPU: 64 MiB, block 128
     (2**30, 256, 8192, 1_048_576, 4096.0),      # seen here with vLLM CPU: 1 GiB
-    (2**30, 300, 8192, 1_048_576, 8192 / 3),    # 300 tokens need 3 whole blocks of 128
+    (2**30, 300, 8192, 819_200, 8192 / 3),      # 300 tokens need 3 whole blocks of 128
+    (64 * 2**20, 64, 512, 32_768, 512.0),       # seen here: a 64-token context still takes a whole block
 ])
 def test_capacity_counts_whole_blocks(kv_memory, context, blocks, tokens, concurrency):
     tiny = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128}
     cap = capacity(kv_spec(tiny), kv_memory_bytes=kv_memory, block_size=128, context_length=context)
-    assert (cap.num_blocks, cap.kv_cache_tokens) == (blocks, tokens)
+    assert (cap.num_blocks, cap.kv_cache_tokens, cap.block_tokens) == (blocks, tokens, blocks * 128)
     assert cap.max_concurrency == pytest.approx(concurrency)
