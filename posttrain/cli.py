@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from posttrain.errors import UserError
+from posttrain.errors import GateFailure, UserError
 
 # Offline by default: real models are local paths; Prefect and DVC send no telemetry.
 OFFLINE_DEFAULTS = {
@@ -27,7 +27,7 @@ STAGE_ARGS = {
     "prepare": ["data_dir", "model_dir", "metrics_path"],
     "sft": ["data_dir", "base_dir", "out_dir", "checkpoint_dir", "metrics_path"],
     "grpo": ["name", "data_dir", "init_dir", "out_dir", "checkpoint_dir", "metrics_path", "curve_path"],
-    "serving": ["models_dir", "gpus_path", "report_path", "metrics_path"],
+    "serving": ["models_dir", "gpus_path", "report_path", "metrics_path", "plot_path"],
     "evaluate": ["data_dir", "models_dir", "metrics_path", "accuracy_plot", "pass_at_k_plot"],
 }
 
@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"posttrain: error: {err}", file=sys.stderr)
         return 2
+    except GateFailure as err:
+        print(f"posttrain: gate failed: {err}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -99,6 +99,14 @@ class VLLMCheck(Section):
     dtype: str = Field("bfloat16", description="Dtype vLLM serves the model in.")
 
 
+class ServingSLO(Section):
+    """The serving target the pipeline must meet; the serving stage fails when the model
+    cannot hold `min_sessions` concurrent sessions of `context_length` tokens on `gpu`."""
+    gpu: str | None = Field(None, description="GPU profile; null = serving.gpu.")
+    context_length: int | None = Field(None, gt=0, description="Tokens per session; null = serving.context_length.")
+    min_sessions: float = Field(0, ge=0, description="Minimum concurrent sessions; 0 = no target.")
+
+
 class ServingSection(Section):
     gpu: str = Field("H100-80GB", description="GPU profile name from configs/gpus.yaml.")
     context_length: int = Field(8192, gt=0, description="Tokens per session.")
@@ -106,6 +114,9 @@ class ServingSection(Section):
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs the model is split over.")
     kv_dtype: Literal["auto", "fp8"] = Field("auto", description="KV-cache dtype (auto = model dtype).")
     block_size: int = Field(16, gt=0, description="Tokens per KV block (vLLM's GPU default).")
+    session_lengths: list[int] = Field([256, 512, 1024, 2048, 4096, 8192], min_length=1,
+                                       description="A sample of session lengths (tokens) for the paging report.")
+    slo: ServingSLO = ServingSLO()
     vllm_check: VLLMCheck = VLLMCheck()
 
 
@@ -239,6 +250,16 @@ def _check_semantics(path: Path, config: PipelineConfig) -> None:
             if name not in GUARDRAILS:
                 raise UserError(f"{path}: grpo.{stage_name}.guardrails", f"unknown guardrail {name!r}",
                                 f"use one of {sorted(GUARDRAILS)}")
+    serving = config.serving
+    if max(serving.session_lengths) > serving.context_length:
+        raise UserError(f"{path}: serving.session_lengths", f"a session of {max(serving.session_lengths)} tokens "
+                        f"exceeds serving.context_length ({serving.context_length})",
+                        "keep session lengths within the context length")
+    gpus = path.parent / "gpus.yaml"
+    profiles = yaml.safe_load(gpus.read_text()) if gpus.is_file() else None
+    for field, gpu in [("serving.gpu", serving.gpu), ("serving.slo.gpu", serving.slo.gpu)]:
+        if profiles is not None and gpu is not None and gpu not in profiles:
+            raise UserError(f"{path}: {field}", f"unknown GPU profile {gpu!r} in {gpus}", f"use one of {sorted(profiles)}")
     if config.gate.k > config.gate.n_samples:
         raise UserError(f"{path}: gate.k", f"k={config.gate.k} exceeds gate.n_samples ({config.gate.n_samples})",
                         "lower gate.k or raise gate.n_samples")

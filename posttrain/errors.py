@@ -11,3 +11,8 @@ class UserError(Exception):
     def __init__(self, where: str, problem: str, fix: str):
         self.where, self.problem, self.fix = where, problem, fix
         super().__init__(f"{where}: {problem}; fix: {fix}")
+
+
+class GateFailure(Exception):
+    """A gate the pipeline must pass was not met (a serving SLO, say): the CLI prints the
+    one-line reason and exits 3, so the stage, DVC and the flow all stop there."""

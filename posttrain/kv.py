@@ -121,3 +121,32 @@ def kv_memory_on_gpu(gpu_bytes: int, utilization: float, weights: int, reserve: 
 
 def as_dict(cap: Capacity) -> dict:
     return asdict(cap)
+
+
+@dataclass(frozen=True)
+class Paging:
+    paged_sessions: float         # sessions that fit when each holds only the blocks it uses
+    reserved_sessions: float      # sessions that fit when each reserves the full context
+    paged_waste: float            # share of allocated KV memory holding no token (last-block slack)
+    reserved_waste: float         # share of reserved KV memory holding no token
+
+
+def paging(spec: KVSpec, *, num_blocks: int, block_size: int, context_length: int,
+           session_lengths: list[int]) -> Paging:
+    """Paged blocks (vLLM) versus reserving `context_length` per session, for sessions whose
+    lengths are drawn from `session_lengths` (tokens, each <= context_length)."""
+    block_bytes = block_size * spec.kv_bytes_per_token
+    used = [spec.session_bytes(n) for n in session_lengths]
+    paged = [math.ceil(u / block_bytes) * block_bytes for u in used]
+    reserved = math.ceil(spec.session_bytes(context_length) / block_bytes) * block_bytes
+    pool = num_blocks * block_bytes
+    mean_used, mean_paged = sum(used) / len(used), sum(paged) / len(paged)
+    return Paging(pool / mean_paged, pool / reserved, 1 - mean_used / mean_paged, 1 - mean_used / reserved)
+
+
+def concurrency_by_context(spec: KVSpec, *, kv_memory_bytes: int, block_size: int,
+                           contexts: list[int]) -> list[dict]:
+    """Maximum concurrent sessions at each context length (the serving plot's points)."""
+    return [{"context_length": n, "max_concurrency": capacity(spec, kv_memory_bytes=kv_memory_bytes,
+                                                              block_size=block_size, context_length=n).max_concurrency}
+            for n in contexts]

@@ -19,6 +19,7 @@ def test_every_shipped_config_loads(path):
 
 def write(tmp_path, text: str) -> Path:
     (tmp_path / "pipeline.yaml").write_text((CONFIGS / "pipeline.yaml").read_text())
+    (tmp_path / "gpus.yaml").write_text((CONFIGS / "gpus.yaml").read_text())
     path = tmp_path / "variant.yaml"
     path.write_text("extends: pipeline.yaml\n" + text)
     return path
@@ -36,6 +37,9 @@ def write(tmp_path, text: str) -> Path:
     ("grpo: {dense: null, sft2: {trl: {}}}\n", "grpo.sft2.from", "required"),         # every stage says `from`
     ("grpo: {dense: null, sft: {from: sft}}\n", "grpo", "must match"),               # reserved stage name
     ("gate: {k: 32}\n", "gate.k", "n_samples"),                                      # gate k beyond its samples
+    ("serving: {gpu: Z80}\n", "serving.gpu", "H100-80GB"),                           # unknown GPU profile
+    ("serving: {slo: {gpu: Z80, min_sessions: 1}}\n", "serving.slo.gpu", "H100-80GB"),  # unknown SLO GPU
+    ("serving: {session_lengths: [99999]}\n", "serving.session_lengths", "context"),  # longer than the context
     ("evaluate: {k: [1, 99]}\n", "evaluate.k", "n_samples"),                           # k beyond the samples
     ("model: {path: /does/not/exist}\n", "model.path", "save_pretrained"),             # bad model path
     ("serving: {gpu_memory_utilization: 1.5}\n", "serving.gpu_memory_utilization", "valid value"),

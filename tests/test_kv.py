@@ -2,7 +2,7 @@
 
 import pytest
 
-from posttrain.kv import capacity, kv_spec
+from posttrain.kv import capacity, concurrency_by_context, kv_spec, paging
 
 LLAMA_31_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                "hidden_size": 4096, "torch_dtype": "bfloat16"}
@@ -59,3 +59,24 @@ def test_capacity_counts_whole_blocks(kv_memory, context, blocks, tokens, concur
     cap = capacity(kv_spec(tiny), kv_memory_bytes=kv_memory, block_size=128, context_length=context)
     assert (cap.num_blocks, cap.kv_cache_tokens, cap.block_tokens) == (blocks, tokens, blocks * 128)
     assert cap.max_concurrency == pytest.approx(concurrency)
+
+
+TINY = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128}
+
+
+@pytest.mark.parametrize("lengths,paged,reserved,paged_waste,reserved_waste", [
+    ([1024], 8.0, 8.0, 0.0, 0.0),              # every session uses the whole context: no difference
+    ([512], 16.0, 8.0, 0.0, 0.5),              # half-length sessions: paging fits twice as many
+    ([100], 64.0, 8.0, 0.21875, 0.90234375),   # short sessions: one 128-token block each, 28 slots idle
+    ([128, 896], 16.0, 8.0, 0.0, 0.5),         # a mix averaging half the context
+])
+def test_paging_against_reserving_the_context(lengths, paged, reserved, paged_waste, reserved_waste):
+    # 64 blocks of 128 tokens; sessions of up to 1,024 tokens (8 blocks)
+    result = paging(kv_spec(TINY), num_blocks=64, block_size=128, context_length=1024, session_lengths=lengths)
+    assert (result.paged_sessions, result.reserved_sessions) == pytest.approx((paged, reserved))
+    assert (result.paged_waste, result.reserved_waste) == pytest.approx((paged_waste, reserved_waste))
+
+
+def test_concurrency_halves_as_the_context_doubles():
+    points = concurrency_by_context(kv_spec(TINY), kv_memory_bytes=2**30, block_size=16, contexts=[1024, 2048, 4096])
+    assert [p["max_concurrency"] for p in points] == [1024.0, 512.0, 256.0]

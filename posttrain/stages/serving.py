@@ -11,12 +11,13 @@ from __future__ import annotations
 import mlflow
 import yaml
 
-from posttrain.errors import UserError
+from posttrain.errors import GateFailure, UserError
 from posttrain.io import resolve_model_dir, write_json
 import importlib.util
 import json
 
-from posttrain.kv import capacity, kv_memory_on_gpu, kv_spec, load_config_json, weight_bytes
+from posttrain.kv import (capacity, concurrency_by_context, kv_memory_on_gpu, kv_spec, load_config_json, paging,
+                          weight_bytes)
 from posttrain.tracking import log_json_artifact, stage_run
 
 GIB = 2**30
@@ -29,17 +30,64 @@ def load_gpu_profile(gpus_path: str, name: str) -> dict:
     return profiles[name]
 
 
-def predict(model_dir: str, serving, profile: dict) -> dict:
-    """The serving report of one model on one GPU profile, as a flat dict."""
+CONTEXTS = [2**i for i in range(9, 18)]  # 512 .. 131,072 tokens: the concurrency plot's x axis
+
+
+def kv_memory_for(model_dir: str, serving, profile: dict) -> tuple:
+    """(KV spec, weights' bytes per GPU, KV memory per GPU) of a model on a GPU profile."""
     config = load_config_json(model_dir)
     spec = kv_spec(config, tp=serving.tensor_parallel_size, kv_dtype=serving.kv_dtype)
     weights = weight_bytes(model_dir, config) // serving.tensor_parallel_size
-    kv_memory = kv_memory_on_gpu(int(profile["memory_gib"] * GIB), serving.gpu_memory_utilization,
-                                 weights, int(profile["reserve_gib"] * GIB))
+    return spec, weights, kv_memory_on_gpu(int(profile["memory_gib"] * GIB), serving.gpu_memory_utilization,
+                                           weights, int(profile["reserve_gib"] * GIB))
+
+
+def predict(model_dir: str, serving, profile: dict) -> dict:
+    """The serving report of one model on one GPU profile, as a flat dict: capacity at the
+    configured context, and paged versus reserved memory for the session-length sample."""
+    spec, weights, kv_memory = kv_memory_for(model_dir, serving, profile)
     cap = capacity(spec, kv_memory_bytes=kv_memory, block_size=serving.block_size,
                    context_length=serving.context_length)
+    pages = paging(spec, num_blocks=cap.num_blocks, block_size=serving.block_size,
+                   context_length=serving.context_length, session_lengths=serving.session_lengths)
     return {"gpu": serving.gpu, "weights_bytes": weights, "session_kv_bytes": spec.session_bytes(serving.context_length),
-            **cap.__dict__}
+            **cap.__dict__, **pages.__dict__}
+
+
+def check_slo(model_dir: str, serving, gpus_path: str) -> dict:
+    """Fail with `GateFailure` when the model cannot serve the SLO's concurrent sessions."""
+    slo = serving.slo
+    if not slo.min_sessions:
+        return {}
+    gpu, context = slo.gpu or serving.gpu, slo.context_length or serving.context_length
+    spec, _, kv_memory = kv_memory_for(model_dir, serving, load_gpu_profile(gpus_path, gpu))
+    sessions = capacity(spec, kv_memory_bytes=kv_memory, block_size=serving.block_size,
+                        context_length=context).max_concurrency
+    if sessions < slo.min_sessions:
+        raise GateFailure(f"serving SLO not met: the model holds {sessions:,.1f} concurrent sessions of "
+                          f"{context:,} tokens on {gpu}, the SLO asks for {slo.min_sessions:,.0f}; "
+                          "fix: a bigger GPU profile, tensor parallelism, fp8 KV cache, or a shorter context")
+    return {"slo_sessions": sessions, "slo_min_sessions": slo.min_sessions}
+
+
+def concurrency_plot(model_dir: str, serving, profile: dict, plot_path: str) -> None:
+    """Concurrent sessions against context length: JSON for DVC, a PNG in MLflow."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spec, _, kv_memory = kv_memory_for(model_dir, serving, profile)
+    points = concurrency_by_context(spec, kv_memory_bytes=kv_memory, block_size=serving.block_size,
+                                    contexts=CONTEXTS)
+    write_json(plot_path, points)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.loglog([p["context_length"] for p in points], [p["max_concurrency"] for p in points], marker="o", base=2)
+    ax.set(xlabel="context length (tokens)", ylabel="max concurrent sessions",
+           title=f"{serving.gpu}, {serving.kv_dtype} KV, TP={serving.tensor_parallel_size}")
+    ax.grid(True, which="both", alpha=0.3)
+    mlflow.log_figure(fig, "serving_concurrency.png")
+    plt.close(fig)
 
 
 class PredictionMismatch(RuntimeError):
@@ -93,14 +141,19 @@ def vllm_check_or_warn(model_dir: str, serving) -> dict:
     return result
 
 
-def main(config, *, models_dir: str, gpus_path: str, report_path: str, metrics_path: str) -> dict[str, float]:
+def main(config, *, models_dir: str, gpus_path: str, report_path: str, metrics_path: str,
+         plot_path: str) -> dict[str, float]:
     from posttrain.stages.evaluate import final_model_dir
 
     profile = load_gpu_profile(gpus_path, config.serving.gpu)
     with stage_run(config, "serving"):
         model_dir = resolve_model_dir(final_model_dir(config, models_dir))
         report = predict(model_dir, config.serving, profile)
+        concurrency_plot(model_dir, config.serving, profile, plot_path)
         report.update(vllm_check_or_warn(model_dir, config.serving))
+        mlflow.log_table({"field": list(report), "value": [str(v) for v in report.values()]},
+                         artifact_file="serving_report_table.json")
+        report.update(check_slo(model_dir, config.serving, gpus_path))
         metrics = {k: float(v) for k, v in report.items() if isinstance(v, (int, float))}
         mlflow.log_params({"gpu": config.serving.gpu, "context_length": config.serving.context_length,
                            "tensor_parallel_size": config.serving.tensor_parallel_size,
