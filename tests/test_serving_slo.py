@@ -15,10 +15,10 @@ def run_serving(tmp_path, slo: dict):
     save_tiny_model(models / "dense", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
                     intermediate_size=64, max_positions=32, seed=0)
     config = yaml.safe_load((REPO_CONFIGS / "pipeline.yaml").read_text())
-    config["serving"].update(slo=slo, vllm_check={"enabled": False})
+    config["serving"].update(slo=slo, vllm_check={"enabled": False}, load_test={"enabled": False})
     config["tracking"]["uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
     (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(config))
-    args = ["--config", tmp_path / "pipeline.yaml", "--models-dir", models, "--gpus-path", REPO_CONFIGS / "gpus.yaml",
+    args = ["--config", tmp_path / "pipeline.yaml", "--data-dir", tmp_path, "--models-dir", models, "--gpus-path", REPO_CONFIGS / "gpus.yaml",
             "--report-path", tmp_path / "report.json", "--metrics-path", tmp_path / "metrics.json",
             "--plot-path", tmp_path / "plot.json"]
     return subprocess.run([sys.executable, "-m", "posttrain", "stage", "serving", *map(str, args)],

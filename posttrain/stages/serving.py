@@ -12,7 +12,7 @@ import mlflow
 import yaml
 
 from posttrain.errors import GateFailure, UserError
-from posttrain.io import resolve_model_dir, write_json
+from posttrain.io import read_jsonl, resolve_model_dir, write_json
 import importlib.util
 import json
 
@@ -127,6 +127,21 @@ def check_with_vllm(model_dir: str, check, context_length: int) -> dict:
                                                                     "vllm_kv_memory_bytes": kv_memory}
 
 
+def run_load_test(model_dir: str, serving, prompts: list[str]) -> dict:
+    """Throughput and latency behind vLLM's server; a failed request fails the stage."""
+    from posttrain.loadtest import load_test, vllm_server
+
+    settings = serving.load_test
+    context = min(serving.context_length, int(load_config_json(model_dir).get("max_position_embeddings", 10**9)))
+    batch = (prompts * (settings.requests // max(1, len(prompts)) + 1))[:settings.requests]
+    with vllm_server(model_dir, kv_memory_bytes=serving.vllm_check.kv_memory_mib * 2**20, context_length=context,
+                     max_num_seqs=settings.max_num_seqs, dtype=serving.vllm_check.dtype) as url:
+        result = load_test(url, batch, concurrency=settings.concurrency, max_tokens=settings.max_tokens)
+    if result["failed_requests"]:
+        raise RuntimeError(f"load test: {result['failed_requests']} of {result['requests']} requests failed")
+    return {f"load_{k}": v for k, v in result.items()}
+
+
 def vllm_check_or_warn(model_dir: str, serving) -> dict:
     """The vLLM cross-check's figures; a loud tag instead when it is off or vLLM is absent."""
     if not serving.vllm_check.enabled:
@@ -141,7 +156,18 @@ def vllm_check_or_warn(model_dir: str, serving) -> dict:
     return result
 
 
-def main(config, *, models_dir: str, gpus_path: str, report_path: str, metrics_path: str,
+def load_test_or_warn(model_dir: str, serving, data_dir: str) -> dict:
+    if not serving.load_test.enabled or importlib.util.find_spec("vllm") is None:
+        why = "disabled in config (serving.load_test.enabled)" if not serving.load_test.enabled else "vllm not installed"
+        mlflow.set_tag("posttrain.load_test", why)
+        return {}
+    prompts = [r["prompt"] for r in read_jsonl(f"{data_dir}/heldout.jsonl")]
+    result = run_load_test(model_dir, serving, prompts)
+    mlflow.set_tag("posttrain.load_test", "passed")
+    return result
+
+
+def main(config, *, data_dir: str, models_dir: str, gpus_path: str, report_path: str, metrics_path: str,
          plot_path: str) -> dict[str, float]:
     from posttrain.stages.evaluate import final_model_dir
 
@@ -151,6 +177,7 @@ def main(config, *, models_dir: str, gpus_path: str, report_path: str, metrics_p
         report = predict(model_dir, config.serving, profile)
         concurrency_plot(model_dir, config.serving, profile, plot_path)
         report.update(vllm_check_or_warn(model_dir, config.serving))
+        report.update(load_test_or_warn(model_dir, config.serving, data_dir))
         mlflow.log_table({"field": list(report), "value": [str(v) for v in report.values()]},
                          artifact_file="serving_report_table.json")
         report.update(check_slo(model_dir, config.serving, gpus_path))

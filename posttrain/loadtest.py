@@ -1,0 +1,96 @@
+"""Load-test a model behind vLLM's OpenAI-compatible server, on loopback only.
+
+The server is started with `--max-num-seqs` below the number of concurrent requests,
+so requests queue in the engine, as they do under real load. The test sends a bounded
+number of requests and stops by itself; it never targets anything but 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def vllm_server(model_dir: str, *, kv_memory_bytes: int, context_length: int, max_num_seqs: int,
+                dtype: str, startup_timeout: float = 300.0):
+    """A vLLM OpenAI server for `model_dir` on a free loopback port; yields its base URL."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", HOST,
+           "--port", str(port), "--kv-cache-memory-bytes", str(kv_memory_bytes), "--max-model-len",
+           str(context_length), "--max-num-seqs", str(max_num_seqs), "--dtype", dtype, "--enforce-eager",
+           "--served-model-name", "posttrain"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "VLLM_NO_USAGE_STATS": "1"})
+    url = f"http://{HOST}:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited ({proc.returncode}): {proc.stderr.read()[-800:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(1)
+        else:
+            raise RuntimeError(f"vLLM server did not become healthy within {startup_timeout:.0f} s")
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 15)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+
+
+async def _send_all(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> list[dict]:
+    import httpx
+
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        async def one(prompt: str) -> dict:
+            async with gate:
+                start = time.perf_counter()
+                try:
+                    resp = await client.post("/v1/completions", json={
+                        "model": "posttrain", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0})
+                    ok = resp.status_code == 200
+                    tokens = resp.json()["usage"]["completion_tokens"] if ok else 0
+                except httpx.HTTPError:
+                    ok, tokens = False, 0
+                return {"ok": ok, "seconds": time.perf_counter() - start, "tokens": tokens}
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile, q in 0..100."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
+def load_test(url: str, prompts: list[str], *, concurrency: int, max_tokens: int) -> dict:
+    """Send every prompt (at most `concurrency` in flight); throughput and latency figures."""
+    start = time.perf_counter()
+    results = asyncio.run(_send_all(url, prompts, concurrency, max_tokens))
+    wall = time.perf_counter() - start
+    latencies = [r["seconds"] * 1000 for r in results if r["ok"]]
+    return {"requests": len(results), "failed_requests": sum(not r["ok"] for r in results),
+            "concurrency": concurrency, "wall_seconds": wall, "requests_per_second": len(latencies) / wall,
+            "output_tokens_per_second": sum(r["tokens"] for r in results) / wall,
+            **{f"latency_p{q}_ms": percentile(latencies, q) if latencies else 0.0 for q in (50, 95, 99)}}
