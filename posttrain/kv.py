@@ -75,15 +75,33 @@ def load_config_json(model: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+def estimate_params(config: dict) -> int:
+    """Parameters of a decoder-only transformer from its config, for when no weights are
+    at hand: embeddings (tied or not), attention and gated MLP (or MoE experts) per layer.
+    An estimate: norms and biases are left out (well under 1% for public models)."""
+    cfg = text_config(config)
+    hidden, layers, heads = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    dense_mlp = 3 * hidden * int(cfg.get("intermediate_size") or 4 * hidden)
+    mlp = dense_mlp if not experts else 3 * hidden * int(cfg.get("moe_intermediate_size") or 0) * experts \
+        + dense_mlp * int(cfg.get("n_shared_experts") or 0)
+    embeddings = int(cfg.get("vocab_size") or 0) * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+    return embeddings + layers * (attention + mlp)
+
+
 def weight_bytes(model_dir: str | Path, config: dict) -> int:
-    """Bytes of weights as served: safetensors headers' element counts x served dtype size."""
+    """Bytes of weights as served: safetensors headers' element counts (or, with no
+    weights in the folder, `estimate_params`) x the served dtype's size."""
     dtype_bytes = kv_dtype_bytes(text_config(config), "auto")
     elements = 0
     for file in Path(model_dir).glob("*.safetensors"):
         with open(file, "rb") as fh:
             header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
         elements += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
-    return elements * dtype_bytes
+    return (elements or estimate_params(config)) * dtype_bytes
 
 
 @dataclass(frozen=True)

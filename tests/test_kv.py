@@ -2,7 +2,7 @@
 
 import pytest
 
-from posttrain.kv import capacity, concurrency_by_context, kv_spec, paging
+from posttrain.kv import capacity, concurrency_by_context, estimate_params, kv_spec, paging
 
 LLAMA_31_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                "hidden_size": 4096, "torch_dtype": "bfloat16"}
@@ -80,3 +80,11 @@ def test_paging_against_reserving_the_context(lengths, paged, reserved, paged_wa
 def test_concurrency_halves_as_the_context_doubles():
     points = concurrency_by_context(kv_spec(TINY), kv_memory_bytes=2**30, block_size=16, contexts=[1024, 2048, 4096])
     assert [p["max_concurrency"] for p in points] == [1024.0, 512.0, 256.0]
+
+
+@pytest.mark.parametrize("config,billions", [
+    ({**LLAMA_31_8B, "intermediate_size": 14336, "vocab_size": 128256}, 8.03),   # Llama-3.1-8B: 8.03B
+    ({**QWEN25_05B, "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True}, 0.49),  # 0.49B
+])
+def test_parameter_estimate_from_config_alone(config, billions):
+    assert estimate_params(config) / 1e9 == pytest.approx(billions, rel=0.02)
