@@ -31,12 +31,17 @@ def main(workdir: str = ".") -> None:
     wall = (parent.end_time - parent.start_time).total_seconds()
     train = sum(v for k, v in parent.items() if k.startswith("metrics.") and k.endswith("train_seconds"))
     print(f"retrain run {parent.run_id}")
+    stages = 0.0
     for _, child in children.iterrows():
+        seconds = (child.end_time - child.start_time).total_seconds()
+        stages += seconds
         cached = " (cached)" if child.get("tags.posttrain.cached") == "true" else ""
-        print(f"  {child['tags.mlflow.runName']:<10} {(child.end_time - child.start_time).total_seconds():7.1f} s{cached}")
-    print(f"pipeline wall time      {wall:7.1f} s")
-    print(f"SFT + GRPO train() time {train:7.1f} s")
-    print(f"overhead                {wall - train:7.1f} s ({(wall - train) / wall:.0%} of wall time)")
+        print(f"  {child['tags.mlflow.runName']:<12} {seconds:7.1f} s{cached}")
+    print(f"pipeline wall time        {wall:7.1f} s")
+    print(f"SFT + GRPO train() time   {train:7.1f} s")
+    print(f"overhead                  {wall - train:7.1f} s ({(wall - train) / wall:.0%} of wall time), of which")
+    print(f"  between stages          {wall - stages:7.1f} s (Prefect, DVC, MLflow outside the stage runs)")
+    print(f"  inside stages           {stages - train:7.1f} s (process start, evaluation, pass-rate filter, vLLM)")
 
 
 if __name__ == "__main__":
