@@ -147,3 +147,18 @@ def test_killed_stage_resumes_from_its_checkpoint(tmp_path):
     # the same run, interrupted or not: the same held-out result within sampling noise
     assert abs(resumed["candidate_greedy_accuracy"] - reference["candidate_greedy_accuracy"]) <= 0.1
     assert abs(resumed["reward_last"] - reference["reward_last"]) <= 0.2
+
+
+def test_on_reject_stop_passes_the_model_through_later_stages(learned_workspace):
+    import yaml
+
+    ws = learned_workspace      # after the harmful-stage test: dense is harmful, `after` follows it
+    config = yaml.safe_load((ws / "configs" / "pipeline.yaml").read_text())
+    assert config["grpo"]["dense"]["trl"]["learning_rate"] == 5.0
+    config["gate"]["on_reject"] = "stop"
+    (ws / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    run_repro(ws)
+    after = json.loads((ws / "metrics" / "grpo" / "after.json").read_text())
+    assert after == {"skipped": 1.0, "accepted": 0.0}
+    weights = "model.safetensors"
+    assert (ws / "artifacts/models/after" / weights).read_bytes() == (ws / "artifacts/models/sft" / weights).read_bytes()
