@@ -78,7 +78,7 @@ def dispatch(args) -> int:
     elif args.command == "stage":
         config = load_config(args.config, check_trl=False)
         kwargs = {a: getattr(args, a) for a in STAGE_ARGS[args.stage]}
-        if kwargs.get("name", next(iter(config.grpo))) not in config.grpo:
+        if args.stage == "grpo" and args.name not in config.grpo:
             raise UserError("posttrain stage grpo --name", f"no GRPO stage {kwargs['name']!r} in {args.config}",
                             f"use one of {list(config.grpo)}")
         import importlib

@@ -53,3 +53,14 @@ def flatten(metrics: dict, prefix: str = "") -> dict[str, float]:
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             flat[name] = float(value)
     return flat
+
+
+def model_dirs(config, models_dir: str) -> dict[str, str]:
+    """Report name -> model folder: base, sft, then each GRPO stage in order."""
+    dirs = {"base": resolve_model_dir(Path(models_dir) / "base"), "sft": str(Path(models_dir) / "sft")}
+    return dirs | {f"grpo.{name}": str(Path(models_dir) / name) for name in config.grpo}
+
+
+def final_model_dir(config, models_dir: str) -> str:
+    """The pipeline's result: what the last GRPO stage output (trained, or carried through)."""
+    return str(Path(models_dir) / list(config.grpo)[-1])

@@ -168,3 +168,14 @@ def concurrency_by_context(spec: KVSpec, *, kv_memory_bytes: int, block_size: in
     return [{"context_length": n, "max_concurrency": capacity(spec, kv_memory_bytes=kv_memory_bytes,
                                                               block_size=block_size, context_length=n).max_concurrency}
             for n in contexts]
+
+
+def load_gpu_profile(gpus_path: str, name: str) -> dict:
+    import yaml
+
+    from posttrain.errors import UserError
+
+    profiles = yaml.safe_load(open(gpus_path)) if Path(gpus_path).is_file() else {}
+    if name not in profiles:
+        raise UserError(f"{gpus_path}", f"unknown GPU profile {name!r}", f"use one of {sorted(profiles)}")
+    return profiles[name]

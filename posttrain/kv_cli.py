@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from posttrain.errors import UserError
-from posttrain.kv import capacity, kv_memory_on_gpu, kv_spec, load_config_json, weight_bytes
+from posttrain.kv import capacity, kv_memory_on_gpu, kv_spec, load_config_json, load_gpu_profile, weight_bytes
 
 GIB = 2**30
 
@@ -36,8 +36,6 @@ def _read_model_config(model: str) -> dict:
 
 def estimate(args) -> dict:
     """The capacity report for the parsed `posttrain kv` arguments."""
-    import yaml
-
     _check_numbers(args)
     config = _read_model_config(args.model)
     spec = kv_spec(config, tp=args.tp, kv_dtype=args.kv_dtype)
@@ -46,11 +44,7 @@ def estimate(args) -> dict:
     if args.kv_memory_gib is not None:
         kv_memory = int(args.kv_memory_gib * GIB)
     else:
-        profiles = yaml.safe_load(open(args.gpus)) if Path(args.gpus).is_file() else {}
-        if args.gpu not in profiles:
-            raise UserError("posttrain kv --gpu", f"unknown GPU profile {args.gpu!r} in {args.gpus}",
-                            f"use one of {sorted(profiles)} or pass --kv-memory-gib")
-        gpu = profiles[args.gpu]
+        gpu = load_gpu_profile(args.gpus, args.gpu)
         kv_memory = kv_memory_on_gpu(int(gpu["memory_gib"] * GIB), args.gpu_memory_utilization,
                                      weights, int(gpu["reserve_gib"] * GIB))
     cap = capacity(spec, kv_memory_bytes=kv_memory, block_size=args.block_size, context_length=args.context)

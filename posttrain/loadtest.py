@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 HOST = "127.0.0.1"
 
 
@@ -78,12 +80,6 @@ async def _send_all(url: str, prompts: list[str], concurrency: int, max_tokens: 
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile, q in 0..100."""
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))]
-
-
 def load_test(url: str, prompts: list[str], *, concurrency: int, max_tokens: int) -> dict:
     """Send every prompt (at most `concurrency` in flight); throughput and latency figures."""
     start = time.perf_counter()
@@ -93,4 +89,5 @@ def load_test(url: str, prompts: list[str], *, concurrency: int, max_tokens: int
     return {"requests": len(results), "failed_requests": sum(not r["ok"] for r in results),
             "concurrency": concurrency, "wall_seconds": wall, "requests_per_second": len(latencies) / wall,
             "output_tokens_per_second": sum(r["tokens"] for r in results) / wall,
-            **{f"latency_p{q}_ms": percentile(latencies, q) if latencies else 0.0 for q in (50, 95, 99)}}
+            **{f"latency_p{q}_ms": float(np.percentile(latencies, q, method="inverted_cdf")) if latencies else 0.0
+               for q in (50, 95, 99)}}

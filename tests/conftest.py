@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from posttrain.cli import OFFLINE_DEFAULTS
 from posttrain.config import read_config_dict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,10 +35,7 @@ SMALL = {
 }
 
 
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1",
-           "DVC_NO_ANALYTICS": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
-os.environ.update(OFFLINE)
+os.environ.update(OFFLINE_DEFAULTS)
 # mlflow.set_tracking_uri() exports MLFLOW_TRACKING_URI; a child process must not inherit
 # the store of whichever test ran before it.
 CHILD_ENV_DROP = ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME")

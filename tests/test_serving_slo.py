@@ -2,12 +2,13 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import yaml
 
 from posttrain.tiny_model import save_tiny_model
 
-REPO_CONFIGS = __import__("pathlib").Path(__file__).resolve().parents[1] / "configs"
+REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def run_serving(tmp_path, slo: dict):

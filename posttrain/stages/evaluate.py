@@ -12,19 +12,8 @@ import mlflow
 
 from posttrain.envs import get_env
 from posttrain.evaluation import evaluate_model
-from posttrain.io import flatten, read_jsonl, resolve_model_dir, write_json
+from posttrain.io import flatten, model_dirs, read_jsonl, write_json
 from posttrain.tracking import stage_run
-
-
-def model_dirs(config, models_dir: str) -> dict[str, str]:
-    """Report name -> model folder: base, sft, then each GRPO stage in order."""
-    dirs = {"base": resolve_model_dir(Path(models_dir) / "base"), "sft": str(Path(models_dir) / "sft")}
-    return dirs | {f"grpo.{name}": str(Path(models_dir) / name) for name in config.grpo}
-
-
-def final_model_dir(config, models_dir: str) -> str:
-    """The pipeline's result: what the last GRPO stage output (trained, or carried through)."""
-    return str(Path(models_dir) / list(config.grpo)[-1])
 
 
 def main(config, *, data_dir: str, models_dir: str, metrics_path: str,

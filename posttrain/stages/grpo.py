@@ -66,11 +66,12 @@ def filter_prompts(config, stage, env, init_dir: str, rows: list[dict]) -> tuple
     rates = pass_rates(init_dir, env, rows, samples=band.samples, temperature=temperature,
                        max_new_tokens=stage.trl.get("max_completion_length", config.evaluate.max_new_tokens),
                        seed=config.seed)
-    kept = [r for r, p in zip(rows, rates) if band.min_pass_rate < p < band.max_pass_rate]
-    if not kept:
-        kept = rows  # nothing inside the band: training on everything beats training on nothing
+    keep = [band.min_pass_rate < p < band.max_pass_rate for p in rates]
+    if not any(keep):
+        keep = [True] * len(rows)  # nothing inside the band: training on everything beats training on nothing
+    kept = [r for r, k in zip(rows, keep) if k]
     share = sum(p in (0.0, 1.0) for p in rates) / len(rates)
-    kept_share = sum(p in (0.0, 1.0) for r, p in zip(rows, rates) if r in kept) / len(kept)
+    kept_share = sum(p in (0.0, 1.0) for p, k in zip(rates, keep) if k) / len(kept)
     return kept, {"prompts_kept": float(len(kept)), "prompts_dropped": float(len(rows) - len(kept)),
                   "zero_std_share_unfiltered_est": share, "zero_std_share_filtered_est": kept_share,
                   "pass_rate_mean": sum(rates) / len(rates)}

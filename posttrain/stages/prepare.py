@@ -48,10 +48,11 @@ def prepare_model(config, model_dir: Path) -> int:
     model_dir.mkdir(parents=True, exist_ok=True)
     if config.model.path is None:
         return save_tiny_model(model_dir, seed=config.seed, **config.model.tiny.model_dump())
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     source = str(Path(config.model.path).resolve())
-    with __import__("torch").device("meta"):
+    with torch.device("meta"):
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source)).parameters())
     write_json(model_dir / BASE_POINTER, {"path": source})
     return params

@@ -9,25 +9,16 @@ block count, KV cache tokens and maximum concurrency must equal the prediction.
 from __future__ import annotations
 
 import mlflow
-import yaml
 
-from posttrain.errors import GateFailure, UserError
-from posttrain.io import read_jsonl, resolve_model_dir, write_json
+from posttrain.errors import GateFailure
+from posttrain.io import final_model_dir, read_json, read_jsonl, resolve_model_dir, write_json
 import importlib.util
-import json
 
-from posttrain.kv import (capacity, concurrency_by_context, kv_memory_on_gpu, kv_spec, load_config_json, paging,
-                          weight_bytes)
+from posttrain.kv import (capacity, concurrency_by_context, kv_memory_on_gpu, kv_spec, load_config_json,
+                          load_gpu_profile, paging, weight_bytes)
 from posttrain.tracking import log_json_artifact, stage_run
 
 GIB = 2**30
-
-
-def load_gpu_profile(gpus_path: str, name: str) -> dict:
-    profiles = yaml.safe_load(open(gpus_path))
-    if name not in profiles:
-        raise UserError(f"{gpus_path}", f"unknown GPU profile {name!r}", f"use one of {sorted(profiles)}")
-    return profiles[name]
 
 
 CONTEXTS = [2**i for i in range(9, 18)]  # 512 .. 131,072 tokens: the concurrency plot's x axis
@@ -114,7 +105,7 @@ def check_with_vllm(model_dir: str, check, context_length: int) -> dict:
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"vLLM could not load {model_dir}: {done.stderr.strip()[-800:]}")
-        reported = json.loads(open(out).read())
+        reported = read_json(out)
     predicted = capacity(kv_spec(model_config), kv_memory_bytes=kv_memory, block_size=reported["block_size"],
                          context_length=context)
     fields = ("num_blocks", "kv_cache_tokens", "max_concurrency")
@@ -169,8 +160,6 @@ def load_test_or_warn(model_dir: str, serving, data_dir: str) -> dict:
 
 def main(config, *, data_dir: str, models_dir: str, gpus_path: str, report_path: str, metrics_path: str,
          plot_path: str) -> dict[str, float]:
-    from posttrain.stages.evaluate import final_model_dir
-
     profile = load_gpu_profile(gpus_path, config.serving.gpu)
     with stage_run(config, "serving"):
         model_dir = resolve_model_dir(final_model_dir(config, models_dir))
