@@ -24,8 +24,10 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.lock
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
+# make run                          the default config, in this folder
+# make run CONFIG=configs/sql.yaml  a variant, in its own workspace runs/<name>
 run: install
-	$(BIN)/posttrain run
+	$(BIN)/posttrain run $(if $(CONFIG),--config $(CONFIG))
 
 repro: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
@@ -40,4 +42,4 @@ bench: install
 	$(BIN)/python bench/orchestration_overhead.py
 
 clean:
-	rm -rf data artifacts checkpoints reports logs mlflow.db mlartifacts
+	rm -rf data artifacts checkpoints reports logs mlflow.db mlartifacts runs

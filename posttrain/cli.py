@@ -28,7 +28,7 @@ STAGE_ARGS = {
     "sft": ["data_dir", "base_dir", "out_dir", "checkpoint_dir", "metrics_path"],
     "grpo": ["name", "data_dir", "init_dir", "out_dir", "checkpoint_dir", "metrics_path", "curve_path"],
     "serving": ["data_dir", "models_dir", "gpus_path", "report_path", "metrics_path", "plot_path"],
-    "evaluate": ["data_dir", "models_dir", "metrics_path", "accuracy_plot", "pass_at_k_plot"],
+    "evaluate": ["data_dir", "models_dir", "metrics_path", "accuracy_plot", "pass_at_k_plot", "pass_at_k_png"],
 }
 
 
@@ -50,7 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
         for arg in args:
             one.add_argument("--" + arg.replace("_", "-"), dest=arg, required=True)
     run = sub.add_parser("run", help="run the retrain flow (Prefect) on a workspace")
-    run.add_argument("--workdir", default=".", help="git + DVC workspace holding dvc.yaml and " + PARAMS_FILE)
+    run.add_argument("--workdir", help="git + DVC workspace holding dvc.yaml and " + PARAMS_FILE +
+                     " (default: this folder, or runs/<config name> with --config)")
+    run.add_argument("--config", help="a variant config (e.g. configs/sql.yaml): run it in its own workspace, "
+                     "created on first use")
     add_kv_parser(sub)
     return parser
 
@@ -85,9 +88,19 @@ def dispatch(args) -> int:
         metrics = importlib.import_module(f"posttrain.stages.{args.stage}").main(config, **kwargs)
         print(json.dumps(metrics, indent=2, sort_keys=True))
     elif args.command == "run":
-        load_config(os.path.join(args.workdir, PARAMS_FILE))
+        workdir = args.workdir or "."
+        if args.config:
+            from pathlib import Path
+
+            from posttrain import workspace
+            from posttrain.config import read_config_dict
+
+            load_config(args.config)
+            workdir = args.workdir or os.path.join("runs", Path(args.config).stem)
+            workspace.prepare(workdir, read_config_dict(Path(args.config)))
+        load_config(os.path.join(workdir, PARAMS_FILE))
         from flows.retrain import retrain
-        retrain(workdir=args.workdir)
+        retrain(workdir=workdir)
     elif args.command == "kv":
         from posttrain.kv_cli import run_kv
         return run_kv(args)

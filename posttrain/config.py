@@ -47,7 +47,7 @@ class ModelSection(Section):
 
 
 class DataSection(Section):
-    env: Literal["arithmetic"] = Field("arithmetic", description="Environment name (posttrain.envs).")
+    env: Literal["arithmetic", "sql"] = Field("arithmetic", description="Environment name (posttrain.envs).")
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword options of the environment.")
 
 
@@ -133,9 +133,12 @@ class ServingSection(Section):
 
 class EvaluateSection(Section):
     max_new_tokens: int = Field(8, gt=0, description="Tokens generated per completion.")
-    n_samples: int = Field(16, gt=0, description="Samples per prompt for pass@k.")
+    n_samples: int = Field(64, gt=0, description="Samples per prompt for pass@k.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature for pass@k.")
-    k: list[int] = Field([1, 4, 8], min_length=1, description="k values for pass@k; each <= n_samples.")
+    k: list[int] = Field([1, 4, 8, 16, 64], min_length=1, description="k values for pass@k; each <= n_samples.")
+    backend: Literal["auto", "vllm", "transformers"] = Field(
+        "auto", description="Sampler: vllm (one engine for all models), transformers generate, or auto "
+                            "(vllm when installed and a CUDA GPU is present).")
     max_prompts: int | None = Field(None, gt=0, description="Evaluate at most this many held-out prompts.")
 
 

@@ -1,31 +1,97 @@
-"""Held-out evaluation of one model: greedy accuracy and pass@k."""
+"""Held-out evaluation: greedy accuracy, pass@k, and a per-prompt samples table.
+
+Completions come from vLLM (one engine process for all models) or from transformers
+`generate`; both feed the same scorer, so the metrics agree within sampling noise.
+"""
 
 from __future__ import annotations
+
+import importlib.util
 
 from posttrain.generation import generate, load_policy
 from posttrain.metrics import mean_pass_at_k
 
 
-def evaluate_model(model_dir: str, env, rows: list[dict], *, n_samples: int, temperature: float,
-                   ks: list[int], max_new_tokens: int, seed: int) -> tuple[dict, list[dict]]:
-    """Greedy accuracy and pass@k on `rows`, plus one sample row per prompt.
+def resolve_backend(backend: str) -> str:
+    """`auto` -> `vllm` when vLLM is installed and a CUDA GPU is present, else `transformers`.
 
-    Returns `({"greedy_accuracy": a, "pass_at_k": {k: p}}, samples)` where each sample
-    has the prompt, the greedy completion, the answer and the verifier's verdict.
+    On CPUs vLLM is not the fast path: its engine start (~40 s on 2 cores) and CPU kernels
+    cost more than `generate` on small models (README, "Measured"); ask for it by name there.
     """
-    model, tokenizer = load_policy(model_dir)
-    prompts = [r["prompt"] for r in rows]
-    greedy = generate(model, tokenizer, prompts, n=1, temperature=0.0,
-                      max_new_tokens=max_new_tokens, seed=seed)
-    verdicts = [env.verify(outs[0], r["answer"]) for outs, r in zip(greedy, rows)]
-    sampled = generate(model, tokenizer, prompts, n=n_samples, temperature=temperature,
-                       max_new_tokens=max_new_tokens, seed=seed)
+    if backend != "auto":
+        return backend
+    import torch
+
+    return "vllm" if importlib.util.find_spec("vllm") is not None and torch.cuda.is_available() else "transformers"
+
+
+def sample_models(models: dict[str, str], prompts: list[str], *, backend: str, n: int, temperature: float,
+                  max_new_tokens: int, seed: int) -> dict[str, tuple[list[str], list[list[str]]]]:
+    """Each model's greedy completion and `n` sampled completions per prompt."""
+    if resolve_backend(backend) == "vllm":
+        return _sample_vllm(models, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+    out = {}
+    for name, model_dir in models.items():
+        model, tokenizer = load_policy(model_dir)
+        greedy = generate(model, tokenizer, prompts, n=1, temperature=0.0, max_new_tokens=max_new_tokens, seed=seed)
+        sampled = generate(model, tokenizer, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens,
+                           seed=seed)
+        out[name] = ([g[0] for g in greedy], sampled)
+    return out
+
+
+def _sample_vllm(models, prompts, *, n, temperature, max_new_tokens, seed):
+    """`posttrain.vllm_sample` in its own process (vLLM must start under `__main__`)."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    longest = max(len(p) for p in prompts)  # an upper bound in tokens for any tokenizer
+    job = {"models": models, "prompts": prompts, "n": n, "temperature": temperature, "max_tokens": max_new_tokens,
+           "seed": seed, "dtype": "float32", "max_model_len": longest + max_new_tokens + 8,
+           "kv_cache_memory_bytes": 256 * 2**20}
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "job.json").write_text(json.dumps(job))
+        done = subprocess.run([sys.executable, "-m", "posttrain.vllm_sample", "--job", f"{tmp}/job.json",
+                               "--out", f"{tmp}/out.json"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"vLLM sampling failed: {done.stderr.strip()[-800:]}")
+        result = json.loads(Path(tmp, "out.json").read_text())
+    return {name: (r["greedy"], r["sampled"]) for name, r in result.items()}
+
+
+def score(env, rows: list[dict], greedy: list[str], sampled: list[list[str]], *, ks: list[int],
+          channels: dict | None = None) -> tuple[dict, list[dict]]:
+    """`({"greedy_accuracy": a, "pass_at_k": {k: p}}, samples)` from a model's completions.
+
+    Each sample row holds the prompt, the greedy completion, the answer, every reward
+    channel in `channels` (name -> reward function) on that completion, the verifier's
+    verdict, and how many of the sampled completions were correct.
+    """
+    n = len(sampled[0]) if sampled else 0
+    verdicts = [env.verify(g, r["answer"]) for g, r in zip(greedy, rows)]
     correct = [sum(env.verify(c, r["answer"]) for c in outs) for outs, r in zip(sampled, rows)]
     result = {"greedy_accuracy": sum(verdicts) / len(rows),
-              "pass_at_k": {str(k): mean_pass_at_k(correct, n_samples, k) for k in ks}}
-    samples = [{"prompt": r["prompt"], "completion": outs[0], "answer": r["answer"], "correct": ok,
-                "sampled_correct": c} for outs, r, ok, c in zip(greedy, rows, verdicts, correct)]
+              "pass_at_k": {str(k): mean_pass_at_k(correct, n, k) for k in ks}}
+    answers = [r["answer"] for r in rows]
+    rewards = {name: fn(greedy, answer=answers) for name, fn in (channels or {}).items()}
+    samples = [{"prompt": r["prompt"], "completion": g, "answer": r["answer"],
+                **{f"reward.{name}": values[i] for name, values in rewards.items()},
+                "correct": ok, "sampled_correct": c}
+               for i, (g, r, ok, c) in enumerate(zip(greedy, rows, verdicts, correct))]
     return result, samples
+
+
+def evaluate_model(model_dir: str, env, rows: list[dict], *, n_samples: int, temperature: float,
+                   ks: list[int], max_new_tokens: int, seed: int, backend: str = "transformers",
+                   channels: dict | None = None) -> tuple[dict, list[dict]]:
+    """One model's held-out evaluation (see `score`)."""
+    (greedy, sampled), = sample_models({"model": model_dir}, [r["prompt"] for r in rows], backend=backend,
+                                       n=n_samples, temperature=temperature, max_new_tokens=max_new_tokens,
+                                       seed=seed).values()
+    return score(env, rows, greedy, sampled, ks=ks, channels=channels)
 
 
 def pass_rates(model_dir: str, env, rows: list[dict], *, samples: int, temperature: float,
@@ -35,3 +101,23 @@ def pass_rates(model_dir: str, env, rows: list[dict], *, samples: int, temperatu
     sampled = generate(model, tokenizer, [r["prompt"] for r in rows], n=samples, temperature=temperature,
                        max_new_tokens=max_new_tokens, seed=seed)
     return [sum(env.verify(c, r["answer"]) for c in outs) / samples for outs, r in zip(sampled, rows)]
+
+
+def check_format_contract(env, rows: list[dict], *, where: str, threshold: float = 0.99) -> float:
+    """Every SFT target must parse and verify: SFT teaches the format the reward reads.
+
+    Returns the share of targets that verify; raises `UserError` (before any training)
+    when it is below `threshold`, showing one failing target and what the parser made of it.
+    """
+    from posttrain.errors import UserError
+
+    failing = [r for r in rows if not env.verify(r["completion"], r["answer"])]
+    share = 1 - len(failing) / max(1, len(rows))
+    if share < threshold:
+        example = failing[0]
+        raise UserError(where, f"format contract: only {share:.1%} of SFT targets verify with the {env.name} "
+                        f"environment's parser (need {threshold:.0%}); e.g. target {example['completion']!r} "
+                        f"parses as {env.parse(example['completion'])!r}, expected {example['answer']!r}",
+                        "make the SFT completions use the answer format the parser reads "
+                        "(or fix the environment's parser)")
+    return share

@@ -62,10 +62,25 @@ def digits(env: Environment) -> RewardFn:
     return digits
 
 
+def similarity(env: Environment) -> RewardFn:
+    """String similarity (difflib ratio, 0..1) of the completion to the reference answer.
+
+    A cheap proxy that looks reasonable and is hackable: `age>35` and `age<35` are 83%
+    alike and return opposite rows. It is here to show what the reward-hacking sentinel
+    catches; train on `correctness` (execution) instead.
+    """
+    from difflib import SequenceMatcher
+
+    def similarity(completions, answer, **_):
+        return [SequenceMatcher(None, c.strip(), a).ratio() for c, a in zip(completions, answer)]
+    return similarity
+
+
 REWARDS: dict[str, Channel] = {
     "correctness": Channel(correctness, 0.0, 1.0),
     "parseable": Channel(parseable, 0.0, 1.0),
     "digits": Channel(digits, 0.0, 1.0),
+    "similarity": Channel(similarity, 0.0, 1.0),
 }
 
 

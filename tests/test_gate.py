@@ -1,8 +1,9 @@
-"""The stage gate's decision (pure)."""
+"""The stage gate's sentinels (pure): each fires on its planted failure with a message
+that says what happened, and all stay quiet on a healthy stage."""
 
 import pytest
 
-from posttrain.gate import decide
+from posttrain.gate import decide, reward_trend
 
 
 def result(greedy, pass8):
@@ -12,10 +13,49 @@ def result(greedy, pass8):
 @pytest.mark.parametrize("before,after,accepted,needle", [
     (result(0.5, 0.9), result(0.7, 0.92), True, "no drop"),            # better on both
     (result(0.5, 0.9), result(0.49, 0.89), True, "no drop"),           # within tolerance
-    (result(0.5, 0.9), result(0.40, 0.95), False, "greedy accuracy"),  # greedy fell
-    (result(0.5, 0.9), result(0.70, 0.80), False, "pass@8"),           # breadth fell while greedy rose
+    (result(0.5, 0.9), result(0.40, 0.95), False, "regression: greedy accuracy fell 0.500 -> 0.400"),
     (result(0.5, 0.9), result(0.0, 0.0), False, "greedy accuracy fell 0.500 -> 0.000"),  # wrecked model
 ])
-def test_decide(before, after, accepted, needle):
+def test_regression(before, after, accepted, needle):
     decision = decide(before, after, k=8, tolerance=0.02)
     assert decision.accepted is accepted and needle in decision.reason
+
+
+def test_breadth_collapse_fires_even_when_greedy_rises():
+    decision = decide(result(0.5, 0.82), result(0.60, 0.74), k=8, tolerance=0.02)
+    assert not decision.accepted
+    assert decision.reason == ("breadth collapse: pass@8 fell 0.820 -> 0.740 while greedy accuracy rose "
+                               "(more than the tolerance 0.020)")
+
+
+def test_reward_hacking_reward_up_accuracy_down():
+    decision = decide(result(0.5, 0.9), result(0.3, 0.9), k=8, tolerance=0.02, reward=(0.4, 0.95))
+    assert not decision.accepted
+    assert "reward hacking: training reward rose 0.400 -> 0.950 while held-out accuracy fell 0.500 -> 0.300" \
+        in decision.reason
+
+
+def test_reward_hacking_below_the_base_model():
+    # the stage kept its predecessor's (already poor) accuracy, but sits below the untrained base
+    decision = decide(result(0.20, 0.5), result(0.20, 0.5), k=8, tolerance=0.02, reward=(0.1, 0.9),
+                      base=result(0.35, 0.6))
+    assert not decision.accepted
+    assert "below the base model's 0.350" in decision.reason
+
+
+@pytest.mark.parametrize("reward", [None, (0.4, 0.9), (0.9, 0.4)])
+def test_quiet_on_a_healthy_stage(reward):
+    decision = decide(result(0.5, 0.82), result(0.66, 0.83), k=8, tolerance=0.02, reward=reward,
+                      base=result(0.0, 0.1))
+    assert decision.accepted and "no drop" in decision.reason
+
+
+def test_falling_reward_with_falling_accuracy_is_a_regression_not_hacking():
+    decision = decide(result(0.5, 0.9), result(0.3, 0.9), k=8, tolerance=0.02, reward=(0.9, 0.4))
+    assert not decision.accepted and "regression" in decision.reason and "hacking" not in decision.reason
+
+
+def test_reward_trend_averages_the_ends():
+    assert reward_trend([0.0] * 10 + [1.0] * 10) == (0.0, 1.0)
+    assert reward_trend([0.2, 0.8]) == (0.2, 0.8)
+    assert reward_trend([0.5]) is None

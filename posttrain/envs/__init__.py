@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from posttrain.envs.arithmetic import ArithmeticEnv
 from posttrain.envs.base import Environment
+from posttrain.envs.sql import SQLEnv
 
-ENVIRONMENTS: dict[str, type] = {"arithmetic": ArithmeticEnv}
+ENVIRONMENTS: dict[str, type] = {"arithmetic": ArithmeticEnv, "sql": SQLEnv}
 
 
 def get_env(name: str, **options) -> Environment:

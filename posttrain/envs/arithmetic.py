@@ -1,7 +1,8 @@
 """Integer arithmetic: `37+48=` -> `85`.
 
 Every (a, b, op) triple lands in exactly one split, so held-out prompts are never
-seen in training.
+seen in training. `completion_format` shapes the SFT target around the answer; the
+parser reads a bare number, so a format like `= {answer}` breaks the format contract.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ class ArithmeticEnv:
     name = "arithmetic"
 
     def __init__(self, operand_max: int = 49, ops: tuple[str, ...] = ("+",),
-                 heldout_size: int = 500):
+                 heldout_size: int = 500, completion_format: str = "{answer}"):
         self.operand_max = operand_max
+        self.completion_format = completion_format
         self.ops = tuple(ops)
         self.heldout_size = heldout_size
 
@@ -29,10 +31,9 @@ class ArithmeticEnv:
         random.Random(seed).shuffle(rows)
         return {"train": rows[self.heldout_size:], "heldout": rows[:self.heldout_size]}
 
-    @staticmethod
-    def row(a: int, b: int, op: str) -> dict:
+    def row(self, a: int, b: int, op: str) -> dict:
         answer = str(_OPS[op](a, b))
-        return {"prompt": f"{a}{op}{b}=", "completion": answer, "answer": answer}
+        return {"prompt": f"{a}{op}{b}=", "completion": self.completion_format.format(answer=answer), "answer": answer}
 
     def parse(self, completion: str) -> str | None:
         match = _ANSWER.match(completion)

@@ -1,7 +1,9 @@
 """Stage `evaluate`: base, SFT and every GRPO stage's model on the held-out split.
 
 `metrics/evaluate.json` holds, per model, `greedy_accuracy` and `pass_at_k` (k -> value):
-`base`, `sft`, `grpo.<stage>` for each GRPO stage, and `grpo` for the final model.
+`base`, `sft`, `grpo.<stage>` for each GRPO stage, and `grpo` for the final model. Each
+model also gets a samples table in MLflow (prompt, completion, every reward channel,
+verdict), and one pass@k-versus-k plot has a line per model (PNG and DVC plot data).
 """
 
 from __future__ import annotations
@@ -11,30 +13,64 @@ from pathlib import Path
 import mlflow
 
 from posttrain.envs import get_env
-from posttrain.evaluation import evaluate_model
+from posttrain.evaluation import resolve_backend, sample_models, score
 from posttrain.io import flatten, model_dirs, read_jsonl, write_json
+from posttrain.rewards import REWARDS
 from posttrain.tracking import stage_run
 
 
 def main(config, *, data_dir: str, models_dir: str, metrics_path: str,
-         accuracy_plot: str, pass_at_k_plot: str) -> dict:
+         accuracy_plot: str, pass_at_k_plot: str, pass_at_k_png: str) -> dict:
     settings = config.evaluate
     with stage_run(config, "evaluate"):
         env = get_env(config.data.env, **config.data.options)
         rows = read_jsonl(Path(data_dir) / "heldout.jsonl")[:settings.max_prompts]
+        backend = resolve_backend(settings.backend)
+        completions = sample_models(model_dirs(config, models_dir), [r["prompt"] for r in rows], backend=backend,
+                                    n=settings.n_samples, temperature=settings.temperature,
+                                    max_new_tokens=settings.max_new_tokens, seed=config.seed)
+        channels = {name: REWARDS[name].make(env) for name in reward_channels(config)}
         report = {}
-        for name, model_dir in model_dirs(config, models_dir).items():
-            report[name], samples = evaluate_model(model_dir, env, rows, n_samples=settings.n_samples,
-                                                   temperature=settings.temperature, ks=settings.k,
-                                                   max_new_tokens=settings.max_new_tokens, seed=config.seed)
+        for name, (greedy, sampled) in completions.items():
+            report[name], samples = score(env, rows, greedy, sampled, ks=settings.k, channels=channels)
             mlflow.log_table({key: [s[key] for s in samples] for key in samples[0]},
                              artifact_file=f"samples/{name}.json")
+        curves = dict(report)
         report["grpo"] = report[f"grpo.{list(config.grpo)[-1]}"]
-        mlflow.log_params({"heldout_prompts": len(rows), "n_samples": config.evaluate.n_samples,
-                           "temperature": config.evaluate.temperature})
+        mlflow.log_params({"heldout_prompts": len(rows), "n_samples": settings.n_samples,
+                           "temperature": settings.temperature, "sampling_backend": backend})
         mlflow.log_metrics(flatten(report))
         write_json(metrics_path, report)
         write_json(accuracy_plot, [{"model": m, "greedy_accuracy": r["greedy_accuracy"]} for m, r in report.items()])
         write_json(pass_at_k_plot, [{"model": m, "k": int(k), "pass_at_k": v}
-                                    for m, r in report.items() for k, v in r["pass_at_k"].items()])
+                                    for m, r in curves.items() for k, v in r["pass_at_k"].items()])
+        plot_pass_at_k(curves, pass_at_k_png, settings.temperature, settings.n_samples)
     return report
+
+
+def reward_channels(config) -> list[str]:
+    """Every channel a GRPO stage trains on, correctness first, each once."""
+    names = ["correctness"] + [name for stage in config.grpo.values() for name in stage.rewards]
+    return list(dict.fromkeys(names))
+
+
+def plot_pass_at_k(curves: dict, path: str, temperature: float, n: int) -> None:
+    """pass@k against k (log scale), one line per model; a PNG file and an MLflow figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for model, result in curves.items():
+        ks = sorted(int(k) for k in result["pass_at_k"])
+        ax.plot(ks, [result["pass_at_k"][str(k)] for k in ks], marker="o", label=model)
+    ax.set(xscale="log", xlabel="k", ylabel="pass@k", ylim=(0, 1.02),
+           title=f"Held-out pass@k (n={n}, temperature {temperature})")
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.grid(alpha=0.3)
+    ax.legend()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    mlflow.log_figure(fig, "pass_at_k.png")
+    plt.close(fig)

@@ -17,7 +17,7 @@ from posttrain import checkpoints
 from posttrain.config import build_trl_config, grpo_trl_options
 from posttrain.envs import get_env
 from posttrain.evaluation import pass_rates
-from posttrain.gate import decide
+from posttrain.gate import decide, reward_trend
 from posttrain.io import read_jsonl, write_json
 from posttrain.rewards import build_rewards
 from posttrain.tracking import stage_run
@@ -39,8 +39,9 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
         curve, train_metrics = run_trainer(config, name, env, rows, init_dir, out_dir, run_dir)
         metrics.update(train_metrics)
         candidate = gate_evaluation(out_dir, env, config, data_dir)
-        decision = decide(previous["eval"], candidate, k=config.gate.k, tolerance=config.gate.tolerance)
-        card = {"stage": name, "eval": candidate}
+        decision = decide(previous["eval"], candidate, k=config.gate.k, tolerance=config.gate.tolerance,
+                          reward=reward_trend([point["reward"] for point in curve]), base=previous.get("base"))
+        card = {"stage": name, "eval": candidate, "base": previous.get("base")}
         if not decision.accepted:
             shutil.rmtree(out_dir)
             shutil.copytree(init_dir, out_dir)

@@ -1,0 +1,120 @@
+"""Text-to-SQL with execution grading: `count sales over age 40 =` -> `SELECT COUNT(*) ...`.
+
+A small SQLite database (one `emp` table: name, dept, age, salary) is generated from
+`db_seed`, and questions come from templates filled with its departments and with
+thresholds, each with a gold query. Nothing is downloaded.
+
+A completion is correct when it runs and returns the gold query's rows: compared as
+multisets, and in order only when the gold query orders (ages and salaries are unique,
+so an ordering has one right answer). Queries run in `posttrain.sandbox`: read-only,
+one statement, a time limit; errors and timeouts are simply wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import re
+import sqlite3
+import tempfile
+from collections import Counter
+from functools import lru_cache
+from pathlib import Path
+
+from posttrain.sandbox import QueryError, run_query
+
+DEPTS = ["sales", "ops", "hr", "it", "legal", "ads"]
+NAMES = ["ann", "bob", "cy", "dee", "eve", "fay", "gus", "hal", "ivy", "jo", "kai", "lu", "max", "ned", "oli",
+         "pam", "quin", "rex", "sam", "tia", "uma", "vic", "wes", "xia", "yan", "zed", "abe", "bo", "cat", "dan",
+         "eli", "fin", "gia", "hui", "ida", "jay"]
+SCHEMA = "CREATE TABLE emp (name TEXT PRIMARY KEY, dept TEXT NOT NULL, age INTEGER NOT NULL, salary INTEGER NOT NULL)"
+DB_VERSION = 2  # bump when build_database changes: the cached file is keyed by it
+AGES = range(21, 65)
+SALARIES = range(30, 100)  # thousands
+
+# (question, gold query); {d} a department, {n} a threshold of the kind the template names
+TEMPLATES = [
+    ("count {d}", "SELECT COUNT(*) FROM emp WHERE dept='{d}'", None),
+    ("names in {d}", "SELECT name FROM emp WHERE dept='{d}'", None),
+    ("max salary in {d}", "SELECT MAX(salary) FROM emp WHERE dept='{d}'", None),
+    ("min age in {d}", "SELECT MIN(age) FROM emp WHERE dept='{d}'", None),
+    ("{d} by age", "SELECT name FROM emp WHERE dept='{d}' ORDER BY age", None),
+    ("names over age {n}", "SELECT name FROM emp WHERE age>{n}", AGES),
+    ("count over age {n}", "SELECT COUNT(*) FROM emp WHERE age>{n}", AGES),
+    ("names paid over {n}", "SELECT name FROM emp WHERE salary>{n}", SALARIES),
+    ("count {d} over age {n}", "SELECT COUNT(*) FROM emp WHERE dept='{d}' AND age>{n}", AGES),
+    ("{d} paid over {n}", "SELECT name FROM emp WHERE dept='{d}' AND salary>{n}", SALARIES),
+]
+_ORDERED = re.compile(r"\border\s+by\b", re.IGNORECASE)
+
+
+def build_database(path: Path, *, employees: int, seed: int) -> None:
+    """Write the database to `path` atomically (a reader never sees it half-built)."""
+    rng = random.Random(seed)
+    names = rng.sample(NAMES, employees)
+    ages, salaries = rng.sample(list(AGES), employees), rng.sample(list(SALARIES), employees)
+    depts = DEPTS[:employees] + [rng.choice(DEPTS) for _ in range(employees - len(DEPTS))]  # every dept staffed
+    rows = list(zip(names, depts, ages, salaries))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(fd)
+    with sqlite3.connect(tmp) as conn:
+        conn.execute(SCHEMA)
+        conn.executemany("INSERT INTO emp VALUES (?, ?, ?, ?)", rows)
+    conn.close()
+    os.replace(tmp, path)
+
+
+class SQLEnv:
+    name = "sql"
+
+    def __init__(self, employees: int = 30, db_seed: int = 0, heldout_size: int = 150,
+                 timeout_s: float = 1.0, db_dir: str | None = None):
+        if not 1 <= employees <= len(NAMES):
+            raise TypeError(f"employees must be between 1 and {len(NAMES)}, got {employees}")
+        self.employees, self.db_seed, self.heldout_size, self.timeout_s = employees, db_seed, heldout_size, timeout_s
+        digest = hashlib.sha256(f"{DB_VERSION}|{SCHEMA}|{employees}|{db_seed}|{NAMES}|{DEPTS}".encode()).hexdigest()[:12]
+        self.db_path = Path(db_dir or tempfile.gettempdir()) / f"posttrain-sql-{digest}.db"
+        if not self.db_path.is_file():
+            build_database(self.db_path, employees=employees, seed=db_seed)
+
+    def generate(self, seed: int) -> dict[str, list[dict]]:
+        """Every template filled with every department and threshold, split train / heldout."""
+        rows = []
+        for question, gold, values in TEMPLATES:
+            for dept in (DEPTS if "{d}" in question else [None]):
+                for n in (values if values is not None else [None]):
+                    rows.append(self.row(question.format(d=dept, n=n), gold.format(d=dept, n=n)))
+        random.Random(seed).shuffle(rows)
+        return {"train": rows[self.heldout_size:], "heldout": rows[:self.heldout_size]}
+
+    @staticmethod
+    def row(question: str, gold: str) -> dict:
+        return {"prompt": f"{question} =", "completion": f" {gold}", "answer": gold}
+
+    def parse(self, completion: str) -> str | None:
+        """The query in the completion: it must start with SELECT; a trailing `;` is dropped."""
+        query = completion.strip().rstrip(";").strip()
+        return query if query[:6].upper() == "SELECT" else None
+
+    def execute(self, query: str) -> list[tuple] | None:
+        """The rows `query` returns in the sandbox, or None when it fails or times out."""
+        try:
+            return run_query(self.db_path, query, timeout_s=self.timeout_s)
+        except QueryError:
+            return None
+
+    def verify(self, completion: str, answer: str) -> bool:
+        query = self.parse(completion)
+        if query is None:
+            return False
+        got, want = self.execute(query), _gold_rows(self, answer)
+        if got is None or want is None:
+            return False
+        return got == want if _ORDERED.search(answer) else Counter(got) == Counter(want)
+
+
+@lru_cache(maxsize=4096)
+def _gold_rows(env: SQLEnv, gold: str) -> list[tuple] | None:
+    return env.execute(gold)
