@@ -40,7 +40,16 @@ def stage_order(workdir: str) -> list[dict]:
 
     with Repo(workdir) as repo:
         stages = plan_repro(get_active_graph(repo.index.graph))
-        return [{"name": s.addressing, "metrics": [o.def_path for o in s.outs if o.metric]} for s in stages]
+        return [{"name": address(s, repo.root_dir), "metrics": [o.def_path for o in s.outs if o.metric]}
+                for s in stages]
+
+
+def address(stage, root: str) -> str:
+    """The stage's name as `dvc repro` takes it inside `root` (DVC's own `addressing`
+    is relative to the process's folder, which differs when the flow runs a workspace
+    elsewhere, e.g. `posttrain run --config` from the repository root)."""
+    dvcfile = os.path.relpath(stage.path, root)
+    return stage.name if dvcfile == "dvc.yaml" else f"{dvcfile}:{stage.name}"
 
 
 def run_logged(cmd: list[str], *, cwd: str, env: dict, log_path: Path) -> tuple[int, str]:
