@@ -42,11 +42,15 @@ os.environ.update(OFFLINE_DEFAULTS)
 CHILD_ENV_DROP = ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME")
 
 
-def sh(*cmd, cwd, env=None, check=True) -> subprocess.CompletedProcess:
-    """Run a command as a user would: the venv on PATH, no MLflow state inherited."""
+def sh(*cmd, cwd, env=None, check=True, timeout=900) -> subprocess.CompletedProcess:
+    """Run a command as a user would: the venv on PATH, no MLflow state inherited.
+
+    The timeout turns a hang into a failure: a server a killed flow leaves behind (a
+    Prefect ephemeral API) can hold the output pipes open forever.
+    """
     base = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROP}
     env = {**base, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", **(env or {})}
-    done = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True)
+    done = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if check and done.returncode != 0:
         raise AssertionError(f"{cmd} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return done
