@@ -18,7 +18,7 @@ from prefect.artifacts import create_markdown_artifact
 from posttrain import summary
 from posttrain.cli import PARAMS_FILE
 from posttrain.config import load_config
-from posttrain.io import flatten
+from posttrain.io import flatten, flatten_params
 from posttrain.tracking import dvc_lock_hashes, experiment_id, provenance, tracking_uri
 from tasks.dvc_stages import push_data, run_stage, stage_order
 
@@ -43,6 +43,7 @@ def retrain(workdir: str = ".") -> dict:
     with mlflow.start_run(experiment_id=exp, run_name=f"retrain-{time.strftime('%Y%m%d-%H%M%S')}") as parent:
         mlflow.set_tags({**provenance(config, workdir), "posttrain.flow": "retrain"})
         mlflow.log_text(yaml.safe_dump(config.model_dump(), sort_keys=False), "config.resolved.yaml")
+        mlflow.log_params(flatten_params(config.model_dump(by_alias=True)))  # what `posttrain compare` diffs
         results = {}
         for stage in stage_order(workdir):
             results[stage["name"]] = stage_task(stage, workdir, parent.info.run_id, uri)

@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", help="a variant config (e.g. configs/sql.yaml): run it in its own workspace, "
                      "created on first use")
     add_kv_parser(sub)
+    compare = sub.add_parser("compare", help="runs side by side: differing params, metrics with deltas, a plot")
+    compare.add_argument("runs", nargs="+", metavar="RUN", help="run ids, or the aliases champion / challenger")
+    compare.add_argument("--out", default="compare.png", help="where the overlay plot (PNG) goes")
+    compare.add_argument("--tracking-uri", help="default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here")
     return parser
 
 
@@ -101,6 +105,13 @@ def dispatch(args) -> int:
         load_config(os.path.join(workdir, PARAMS_FILE))
         from flows.retrain import retrain
         retrain(workdir=workdir)
+    elif args.command == "compare":
+        from posttrain.compare import compare
+
+        if len(args.runs) < 2:
+            raise UserError("posttrain compare", "needs at least two runs", "pass two or more run ids or aliases")
+        uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+        print(compare(args.runs, out=args.out, tracking_uri=uri))
     elif args.command == "kv":
         from posttrain.kv_cli import run_kv
         return run_kv(args)

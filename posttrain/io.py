@@ -55,6 +55,19 @@ def flatten(metrics: dict, prefix: str = "") -> dict[str, float]:
     return flat
 
 
+def flatten_params(config: dict, prefix: str = "") -> dict[str, str]:
+    """`{"grpo": {"dense": {"trl": {"learning_rate": 1e-4}}}}` -> `{"grpo.dense.trl.learning_rate": "0.0001"}`:
+    every leaf of a config as an MLflow param (what `posttrain compare` diffs)."""
+    flat = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten_params(value, f"{name}."))
+        else:
+            flat[name] = str(value)
+    return flat
+
+
 def model_dirs(config, models_dir: str) -> dict[str, str]:
     """Report name -> model folder: base, sft, then each GRPO stage in order."""
     dirs = {"base": resolve_model_dir(Path(models_dir) / "base"), "sft": str(Path(models_dir) / "sft")}

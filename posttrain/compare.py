@@ -1,0 +1,132 @@
+"""`posttrain compare`: runs side by side, from MLflow.
+
+Each reference is a run id, or a Model Registry alias (`champion`, `challenger`) of the
+registered model, which names the run that produced that version. Printed: the params
+that differ, and a table of the runs' metrics with the delta of each against the first.
+The overlay plot (training reward per GRPO stage, held-out pass@k by k) is written as a
+PNG and logged as an artifact of a new `compare` run, so the comparison is itself
+recorded; the compared runs are never modified.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from posttrain.errors import UserError
+
+MODEL_NAME = "posttrain"
+ALIASES = ("champion", "challenger")
+_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+_PASS = re.compile(r"^evaluate\.grpo\.pass_at_k\.(\d+)$")
+
+
+def resolve(client, ref: str, model_name: str = MODEL_NAME):
+    """The MLflow run `ref` names (a run id or an alias); UserError when it names none."""
+    from mlflow.exceptions import MlflowException
+
+    if ref in ALIASES:
+        try:
+            version = client.get_model_version_by_alias(model_name, ref)
+        except MlflowException:
+            raise UserError(f"posttrain compare {ref}", f"no version of registered model {model_name!r} has the "
+                            f"alias {ref!r}", "pass a run id, or register and promote a model first") from None
+        ref = version.run_id
+    if not _RUN_ID.match(ref):
+        raise UserError(f"posttrain compare {ref}", "not a run id or an alias", f"pass a 32-hex run id or one of {ALIASES}")
+    try:
+        return client.get_run(ref)
+    except MlflowException:
+        raise UserError(f"posttrain compare {ref}", "no such run in the tracking store",
+                        "check the run id and MLFLOW_TRACKING_URI") from None
+
+
+def differing_params(runs) -> dict[str, list]:
+    keys = sorted({k for r in runs for k in r.data.params})
+    table = {k: [r.data.params.get(k, "-") for r in runs] for k in keys}
+    return {k: v for k, v in table.items() if len(set(v)) > 1}
+
+
+def metrics_table(runs, prefixes=("evaluate.", "sft.", "grpo.", "serving.max_concurrency")) -> dict[str, list]:
+    keys = sorted({k for r in runs for k in r.data.metrics if k.startswith(prefixes)})
+    return {k: [r.data.metrics.get(k) for r in runs] for k in keys}
+
+
+def render(refs: list[str], runs, params: dict, metrics: dict) -> str:
+    """Plain-text tables: params that differ, then metrics with deltas against the first run."""
+    names = [f"{ref[:8]}" if ref == r.info.run_id else f"{ref} ({r.info.run_id[:8]})" for ref, r in zip(refs, runs)]
+    width = max([len(k) for k in list(params) + list(metrics)] + [6])
+    lines = ["params that differ:" if params else "params: identical"]
+    for key, values in params.items():
+        lines.append(f"  {key:<{width}}  " + "  ".join(f"{str(v):>16}" for v in values))
+    header = f"  {'metric':<{width}}  " + "  ".join(f"{n:>16}" for n in names)
+    header += "".join(f"  {'d ' + n[:8]:>12}" for n in names[1:])
+    lines += ["", "metrics (d: run minus the first):", header]
+    for key, values in metrics.items():
+        cells = "  ".join(f"{v:>16.4f}" if v is not None else f"{'-':>16}" for v in values)
+        deltas = "".join(f"  {v - values[0]:>+12.4f}" if v is not None and values[0] is not None else f"  {'-':>12}"
+                         for v in values[1:])
+        lines.append(f"  {key:<{width}}  {cells}{deltas}")
+    return "\n".join(lines)
+
+
+def reward_curves(client, run) -> dict[str, list[tuple[int, float]]]:
+    """Each GRPO stage's training reward (step, value), from the run's child runs."""
+    experiment = run.info.experiment_id
+    children = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
+    curves = {}
+    for child in children:
+        name = child.data.tags.get("mlflow.runName", "")
+        if name.startswith("grpo@"):
+            history = client.get_metric_history(child.info.run_id, "reward")
+            curves[name] = [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)]
+    return curves
+
+
+def plot(client, refs: list[str], runs, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    all_ks: set[int] = set()
+    for ref, run in zip(refs, runs):
+        for stage, points in reward_curves(client, run).items():
+            if points:
+                left.plot(*zip(*points), label=f"{ref[:12]} {stage}")
+        ks = sorted((int(m.group(1)), v) for key, v in run.data.metrics.items() if (m := _PASS.match(key)))
+        if ks:
+            right.plot(*zip(*ks), marker="o", label=ref[:12])
+            all_ks.update(k for k, _ in ks)
+    left.set(xlabel="step", ylabel="training reward", title="GRPO training reward")
+    if all_ks:
+        right.set_xscale("log")
+        right.set_xticks(sorted(all_ks), [str(k) for k in sorted(all_ks)])
+        right.minorticks_off()
+    right.set(xlabel="k", ylabel="pass@k", ylim=(0, 1.02), title="held-out pass@k (final model)")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def compare(refs: list[str], *, out: str, tracking_uri: str | None = None) -> str:
+    """Resolve, print-ready text, the PNG at `out`, and a `compare` run holding it."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    if tracking_uri:
+        mlflow.set_tracking_uri(tracking_uri)
+    client = MlflowClient()
+    runs = [resolve(client, ref) for ref in refs]
+    text = render(refs, runs, differing_params(runs), metrics_table(runs))
+    plot(client, refs, runs, out)
+    with mlflow.start_run(experiment_id=runs[0].info.experiment_id, run_name="compare") as run:
+        mlflow.set_tags({"posttrain.compare": ",".join(r.info.run_id for r in runs)})
+        mlflow.log_artifact(out)
+        mlflow.log_text(text, "compare.txt")
+    return text + f"\n\noverlay plot: {out} (also an artifact of MLflow run {run.info.run_id})"

@@ -1,0 +1,85 @@
+"""`posttrain compare` against a real MLflow store (SQLite) holding two pipeline-shaped runs."""
+
+import subprocess
+import sys
+
+import mlflow
+import pytest
+from mlflow import MlflowClient
+
+from conftest import sh
+
+
+def pipeline_run(lr: str, greedy: float, passes: dict[int, float], rewards: list[float]) -> str:
+    """A parent run as the retrain flow leaves it, with one grpo@dense child run."""
+    with mlflow.start_run(run_name="retrain") as parent:
+        mlflow.log_params({"grpo.dense.trl.learning_rate": lr, "seed": "0"})
+        mlflow.log_metrics({"evaluate.grpo.greedy_accuracy": greedy,
+                            **{f"evaluate.grpo.pass_at_k.{k}": v for k, v in passes.items()}})
+        with mlflow.start_run(run_name="grpo@dense", nested=True):
+            for step, value in enumerate(rewards):
+                mlflow.log_metric("reward", value, step=step * 10)
+    return parent.info.run_id
+
+
+@pytest.fixture
+def store(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment("posttrain")
+    a = pipeline_run("0.0001", 0.74, {1: 0.47, 8: 0.93}, [0.70, 0.80, 0.90])
+    b = pipeline_run("0.0003", 0.60, {1: 0.52, 8: 0.74}, [0.60, 0.90, 1.00])
+    mlflow.end_run()
+    return uri, a, b, tmp_path
+
+
+def compare(uri, *refs, cwd):
+    return sh(sys.executable, "-m", "posttrain", "compare", *refs, "--tracking-uri", uri,
+              "--out", "out/compare.png", cwd=cwd, check=False)
+
+
+def test_prints_differences_and_deltas_and_records_the_plot(store):
+    uri, a, b, tmp = store
+    done = compare(uri, a, b, cwd=tmp)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    differing = next(line for line in lines if "grpo.dense.trl.learning_rate" in line)
+    assert "0.0001" in differing and "0.0003" in differing
+    assert not any(line.strip().startswith("seed") for line in lines)     # identical params are not listed
+    row = next(line for line in lines if "evaluate.grpo.pass_at_k.8" in line)
+    assert "0.9300" in row and "0.7400" in row and "-0.1900" in row
+    assert (tmp / "out" / "compare.png").stat().st_size > 10_000
+    client = MlflowClient(uri)
+    [recorded] = client.search_runs([client.get_experiment_by_name("posttrain").experiment_id],
+                                    "tags.mlflow.runName = 'compare'")
+    assert recorded.data.tags["posttrain.compare"] == f"{a},{b}"
+    assert {f.path for f in client.list_artifacts(recorded.info.run_id)} == {"compare.png", "compare.txt"}
+
+
+def test_aliases_name_registered_versions(store):
+    uri, a, b, tmp = store
+    client = MlflowClient(uri)
+    client.create_registered_model("posttrain")
+    version = client.create_model_version("posttrain", f"runs:/{a}/model", run_id=a)
+    client.set_registered_model_alias("posttrain", "champion", version.version)
+    done = compare(uri, "champion", b, cwd=tmp)
+    assert done.returncode == 0, done.stderr
+    assert f"champion ({a[:8]})" in done.stdout
+
+
+@pytest.mark.parametrize("ref,needle", [
+    ("0123456789abcdef0123456789abcdef", "no such run"),
+    ("challenger", "alias 'challenger'"),
+    ("not-a-run", "not a run id or an alias"),
+])
+def test_unknown_references_exit_2_with_one_line(store, ref, needle):
+    uri, a, _, tmp = store
+    done = compare(uri, a, ref, cwd=tmp)
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1 and needle in done.stderr and ref in done.stderr
+
+
+def test_needs_two_runs(store):
+    uri, a, _, tmp = store
+    done = compare(uri, a, cwd=tmp)
+    assert done.returncode == 2 and "at least two runs" in done.stderr
