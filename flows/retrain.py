@@ -15,12 +15,15 @@ import yaml
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from posttrain import summary
+from posttrain import registry, summary
 from posttrain.cli import PARAMS_FILE
 from posttrain.config import load_config
-from posttrain.io import flatten, flatten_params
+from posttrain.io import final_model_dir, flatten, flatten_params
 from posttrain.tracking import dvc_lock_hashes, experiment_id, provenance, tracking_uri
 from tasks.dvc_stages import push_data, run_stage, stage_order
+
+
+MODELS = "artifacts/models"  # dvc.yaml's model folders
 
 
 def gate_tags(results: dict) -> dict[str, str]:
@@ -49,11 +52,18 @@ def retrain(workdir: str = ".") -> dict:
             results[stage["name"]] = stage_task(stage, workdir, parent.info.run_id, uri)
         mlflow.set_tags({**dvc_lock_hashes(workdir), **gate_tags(results)})
         # MLflow names allow no '@': grpo@dense -> grpo.dense
-        mlflow.log_metrics(flatten({name.replace("@", "."): m for name, m in results.items()}))
+        metrics = flatten({name.replace("@", "."): m for name, m in results.items()})
+        mlflow.log_metrics(metrics)
         mlflow.log_artifact(str(Path(workdir) / "dvc.lock"))
         logger.info(push_data(workdir))
+        if config.promotion.enabled:
+            promotion = registry.promote(config, parent.info.run_id, final_model_dir(config, Path(workdir) / MODELS),
+                                         metrics, results.get("serving", {}))
         text = summary.render(results.get("evaluate", {}), results.get("serving", {}),
                               config.serving.gpu, parent.info.run_id, uri)
+        if config.promotion.enabled:
+            text += (f"\nModel registry: {config.promotion.model_name} version {promotion.version} "
+                     f"is the {promotion.reason}")
     create_markdown_artifact(text, key="retrain-summary", description="posttrain retrain summary")
     print(text)
     return results

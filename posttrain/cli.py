@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("runs", nargs="+", metavar="RUN", help="run ids, or the aliases champion / challenger")
     compare.add_argument("--out", default="compare.png", help="where the overlay plot (PNG) goes")
     compare.add_argument("--tracking-uri", help="default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here")
+    compare.add_argument("--model-name", default="posttrain", help="registered model the aliases refer to")
     return parser
 
 
@@ -111,7 +112,7 @@ def dispatch(args) -> int:
         if len(args.runs) < 2:
             raise UserError("posttrain compare", "needs at least two runs", "pass two or more run ids or aliases")
         uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
-        print(compare(args.runs, out=args.out, tracking_uri=uri))
+        print(compare(args.runs, out=args.out, tracking_uri=uri, model_name=args.model_name))
     elif args.command == "kv":
         from posttrain.kv_cli import run_kv
         return run_kv(args)

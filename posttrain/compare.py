@@ -114,7 +114,7 @@ def plot(client, refs: list[str], runs, path: str) -> None:
     plt.close(fig)
 
 
-def compare(refs: list[str], *, out: str, tracking_uri: str | None = None) -> str:
+def compare(refs: list[str], *, out: str, tracking_uri: str | None = None, model_name: str = MODEL_NAME) -> str:
     """Resolve, print-ready text, the PNG at `out`, and a `compare` run holding it."""
     import mlflow
     from mlflow import MlflowClient
@@ -122,7 +122,7 @@ def compare(refs: list[str], *, out: str, tracking_uri: str | None = None) -> st
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
     client = MlflowClient()
-    runs = [resolve(client, ref) for ref in refs]
+    runs = [resolve(client, ref, model_name) for ref in refs]
     text = render(refs, runs, differing_params(runs), metrics_table(runs))
     plot(client, refs, runs, out)
     with mlflow.start_run(experiment_id=runs[0].info.experiment_id, run_name="compare") as run:

@@ -142,6 +142,16 @@ class EvaluateSection(Section):
     max_prompts: int | None = Field(None, gt=0, description="Evaluate at most this many held-out prompts.")
 
 
+class PromotionSection(Section):
+    """After each run the final model is registered in the MLflow Model Registry and
+    becomes `champion` only if it beats the current champion on `metric` and meets the
+    serving target; otherwise `challenger`."""
+    enabled: bool = Field(True, description="Register and alias the final model after each flow run.")
+    model_name: str = Field("posttrain", min_length=1, description="Registered model name.")
+    metric: str = Field("evaluate.grpo.greedy_accuracy", description="Parent-run metric the champion is chosen by.")
+    higher_is_better: bool = Field(True, description="Whether a larger `metric` is better.")
+
+
 class TrackingSection(Section):
     uri: str | None = Field(None, description="MLflow tracking URI; null = sqlite:///mlflow.db in the workspace. "
                                               "MLFLOW_TRACKING_URI overrides it.")
@@ -162,6 +172,7 @@ class PipelineConfig(Section):
     gate: GateSection = GateSection()
     serving: ServingSection = ServingSection()
     evaluate: EvaluateSection = EvaluateSection()
+    promotion: PromotionSection = PromotionSection()
     tracking: TrackingSection = TrackingSection()
     orchestration: OrchestrationSection = OrchestrationSection()
 
@@ -277,6 +288,9 @@ def _check_semantics(path: Path, config: PipelineConfig) -> None:
     if config.gate.k > config.gate.n_samples:
         raise UserError(f"{path}: gate.k", f"k={config.gate.k} exceeds gate.n_samples ({config.gate.n_samples})",
                         "lower gate.k or raise gate.n_samples")
+    if config.promotion.metric.split(".", 1)[0] not in ("prepare", "sft", "grpo", "serving", "evaluate"):
+        raise UserError(f"{path}: promotion.metric", f"{config.promotion.metric!r} is not a pipeline metric",
+                        "use a metric of the run, e.g. evaluate.grpo.greedy_accuracy")
     tiny = config.model.tiny
     if config.model.path is None and (tiny.hidden_size % tiny.num_heads or tiny.num_heads % tiny.num_kv_heads):
         raise UserError(f"{path}: model.tiny", "num_heads must divide hidden_size and num_kv_heads num_heads",

@@ -71,3 +71,18 @@ def test_data_and_models_are_pushed_to_the_local_remote(flow_runs):
     ws = flow_runs[0]
     status = sh("dvc", "status", "--cloud", cwd=ws)
     assert "in sync" in status.stdout
+
+
+def test_first_run_is_champion_and_an_equal_second_is_challenger(flow_runs):
+    ws, first, second, runs = flow_runs
+    client = mlflow.MlflowClient()
+    parents = runs[runs["tags.mlflow.parentRunId"].isna()]
+    assert list(parents["tags.posttrain.promotion"]) == ["champion", "challenger"]
+    assert "no champion yet" in parents["tags.posttrain.promotion_reason"].iloc[0]
+    assert "does not beat the champion's" in parents["tags.posttrain.promotion_reason"].iloc[1]
+    champion = client.get_model_version_by_alias("posttrain", "champion")
+    challenger = client.get_model_version_by_alias("posttrain", "challenger")
+    assert (str(champion.version), str(challenger.version)) == ("1", "2")
+    assert champion.run_id == parents["run_id"].iloc[0]
+    assert "config.json" in {f.path.split("/")[-1] for f in client.list_artifacts(champion.run_id, "model")}
+    assert "Model registry: posttrain version 2 is the challenger" in second.stdout
