@@ -56,12 +56,11 @@ def retrain(workdir: str = ".") -> dict:
         mlflow.log_metrics(metrics)
         mlflow.log_artifact(str(Path(workdir) / "dvc.lock"))
         logger.info(push_data(workdir))
-        if config.promotion.enabled:
-            promotion = registry.promote(config, parent.info.run_id, final_model_dir(config, Path(workdir) / MODELS),
-                                         metrics, results.get("serving", {}))
         text = summary.render(results.get("evaluate", {}), results.get("serving", {}),
                               config.serving.gpu, parent.info.run_id, uri)
         if config.promotion.enabled:
+            promotion = registry.promote(config, parent.info.run_id, final_model_dir(config, Path(workdir) / MODELS),
+                                         metrics, results.get("serving", {}))
             text += (f"\nModel registry: {config.promotion.model_name} version {promotion.version} "
                      f"is the {promotion.reason}")
     create_markdown_artifact(text, key="retrain-summary", description="posttrain retrain summary")

@@ -59,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("runs", nargs="+", metavar="RUN", help="run ids, or the aliases champion / challenger")
     compare.add_argument("--out", default="compare.png", help="where the overlay plot (PNG) goes")
     compare.add_argument("--tracking-uri", help="default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here")
-    compare.add_argument("--model-name", default="posttrain", help="registered model the aliases refer to")
+    from posttrain.config import PromotionSection
+
+    compare.add_argument("--model-name", default=PromotionSection().model_name,
+                         help="registered model the aliases refer to (promotion.model_name)")
     return parser
 
 

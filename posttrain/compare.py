@@ -15,13 +15,12 @@ from pathlib import Path
 
 from posttrain.errors import UserError
 
-MODEL_NAME = "posttrain"
 ALIASES = ("champion", "challenger")
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 _PASS = re.compile(r"^evaluate\.grpo\.pass_at_k\.(\d+)$")
 
 
-def resolve(client, ref: str, model_name: str = MODEL_NAME):
+def resolve(client, ref: str, model_name: str):
     """The MLflow run `ref` names (a run id or an alias); UserError when it names none."""
     from mlflow.exceptions import MlflowException
 
@@ -114,7 +113,7 @@ def plot(client, refs: list[str], runs, path: str) -> None:
     plt.close(fig)
 
 
-def compare(refs: list[str], *, out: str, tracking_uri: str | None = None, model_name: str = MODEL_NAME) -> str:
+def compare(refs: list[str], *, out: str, model_name: str, tracking_uri: str | None = None) -> str:
     """Resolve, print-ready text, the PNG at `out`, and a `compare` run holding it."""
     import mlflow
     from mlflow import MlflowClient
