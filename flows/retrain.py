@@ -1,8 +1,9 @@
 """The `retrain` flow: one MLflow parent run, the DVC stages in DVC's order, a summary.
 
 Runs on Prefect's ephemeral local API by default, on a Prefect server when
-`PREFECT_API_URL` is set. Each stage is a `run_stage` task (retried on failure) that
-runs `dvc repro --single-item` under an MLflow child run.
+`PREFECT_API_URL` is set (`posttrain serve` runs it there on a schedule: flows/deploy.py).
+Each stage is a `run_stage` task (retried on failure) that runs `dvc repro --single-item`
+under an MLflow child run.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import yaml
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from posttrain import registry, summary
-from posttrain.cli import PARAMS_FILE
+from posttrain import registry, summary, workspace
 from posttrain.config import load_config
-from posttrain.io import final_model_dir, flatten, flatten_params
+from posttrain.io import PARAMS_FILE, final_model_dir, flatten_params, run_metrics
 from posttrain.tracking import dvc_lock_hashes, experiment_id, provenance, tracking_uri
+from tasks.data import previous_result, version_data
 from tasks.dvc_stages import push_data, run_stage, stage_order
 
 
@@ -35,34 +36,59 @@ def gate_tags(results: dict) -> dict[str, str]:
 
 @flow(name="retrain")
 def retrain(workdir: str = ".") -> dict:
-    """Run the pipeline of `workdir`: a git + DVC repo with dvc.yaml and its params file."""
+    """Run the pipeline of `workdir`: a git + DVC repo with dvc.yaml and its params file.
+
+    First new data in `incoming/` is validated and versioned; then, if nothing changed
+    since the last finished run, the run says so and stops; else every stage runs (or
+    is found up to date by DVC) under one MLflow parent run, and the result is promoted.
+    One run at a time per workspace: a second waits for the lock.
+    """
     logger = get_run_logger()
     workdir = str(Path(workdir).resolve())
-    config = load_config(Path(workdir) / PARAMS_FILE)
-    uri = tracking_uri(config, workdir)
+    with workspace.lock(workdir, log=logger.warning):
+        config = load_config(Path(workdir) / PARAMS_FILE)
+        uri = tracking_uri(config, workdir)
+        added = version_data(workdir, config)
+        if added:
+            logger.info(f"versioned new data: {', '.join(added)}")
+        previous = None if added else previous_result(workdir, config, uri)
+        if previous:
+            run_id, experiment = previous
+            text = (f"Nothing to do: data and config are unchanged since retrain run {run_id}, which finished; "
+                    f"its results stand.\n\nMLflow run: {run_id}\nOpen it: {summary.run_link(uri, experiment, run_id)}")
+            results = {"nothing_to_do": True, "previous_run": run_id}
+        else:
+            results, text = run_pipeline(config, workdir, uri, logger)
+    create_markdown_artifact(text, key="retrain-summary", description="posttrain retrain summary")
+    print(text)
+    return results
+
+
+def run_pipeline(config, workdir: str, uri: str, logger) -> tuple[dict, str]:
+    """The DVC stages under a parent run, then gates' verdicts, data push and promotion."""
     exp = experiment_id(config, workdir)
     stage_task = run_stage.with_options(retries=config.orchestration.retries,
                                         retry_delay_seconds=config.orchestration.retry_delay_seconds)
     with mlflow.start_run(experiment_id=exp, run_name=f"retrain-{time.strftime('%Y%m%d-%H%M%S')}") as parent:
         mlflow.set_tags({**provenance(config, workdir), "posttrain.flow": "retrain"})
-        mlflow.log_text(yaml.safe_dump(config.model_dump(), sort_keys=False), "config.resolved.yaml")
+        mlflow.log_text(yaml.safe_dump(config.model_dump(by_alias=True), sort_keys=False), "config.resolved.yaml")
+        mlflow.log_artifact(str(Path(workdir) / PARAMS_FILE), "params")  # as written: what replay restores
         mlflow.log_params(flatten_params(config.model_dump(by_alias=True)))  # what `posttrain compare` diffs
         results = {}
         for stage in stage_order(workdir):
             results[stage["name"]] = stage_task(stage, workdir, parent.info.run_id, uri)
-        mlflow.set_tags({**dvc_lock_hashes(workdir), **gate_tags(results)})
-        # MLflow names allow no '@': grpo@dense -> grpo.dense
-        metrics = flatten({name.replace("@", "."): m for name, m in results.items()})
+        gates = gate_tags(results)
+        mlflow.set_tags({**dvc_lock_hashes(workdir), **gates})
+        metrics = run_metrics(results)
         mlflow.log_metrics(metrics)
         mlflow.log_artifact(str(Path(workdir) / "dvc.lock"))
         logger.info(push_data(workdir))
         text = summary.render(results.get("evaluate", {}), results.get("serving", {}),
-                              config.serving.gpu, parent.info.run_id, uri)
+                              config.serving.gpu, parent.info.run_id, uri, exp)
+        text += "\n\nGates: " + (", ".join(f"{k.split('.', 1)[1]} {v}" for k, v in gates.items()) or "none")
         if config.promotion.enabled:
             promotion = registry.promote(config, parent.info.run_id, final_model_dir(config, Path(workdir) / MODELS),
                                          metrics, results.get("serving", {}))
             text += (f"\nModel registry: {config.promotion.model_name} version {promotion.version} "
                      f"is the {promotion.reason}")
-    create_markdown_artifact(text, key="retrain-summary", description="posttrain retrain summary")
-    print(text)
-    return results
+    return results, text

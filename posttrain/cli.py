@@ -11,20 +11,19 @@ import os
 import sys
 
 from posttrain.errors import GateFailure, UserError
+from posttrain.io import PARAMS_FILE
 
 # Offline by default: real models are local paths; Prefect and DVC send no telemetry.
 OFFLINE_DEFAULTS = {
     "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
     "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DVC_NO_ANALYTICS": "1",
-    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
 }
 
-# The workspace's config: dvc.yaml reads its params from this file.
-PARAMS_FILE = "configs/pipeline.yaml"
 
 # Path arguments of each stage command; dvc.yaml names the paths, the stage's main takes them.
 STAGE_ARGS = {
-    "prepare": ["data_dir", "model_dir", "metrics_path"],
+    "prepare": ["data_dir", "datasets_dir", "model_dir", "metrics_path"],
     "sft": ["data_dir", "base_dir", "out_dir", "checkpoint_dir", "metrics_path"],
     "grpo": ["name", "data_dir", "init_dir", "out_dir", "checkpoint_dir", "metrics_path", "curve_path"],
     "serving": ["data_dir", "models_dir", "gpus_path", "report_path", "metrics_path", "plot_path"],
@@ -54,6 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
                      " (default: this folder, or runs/<config name> with --config)")
     run.add_argument("--config", help="a variant config (e.g. configs/sql.yaml): run it in its own workspace, "
                      "created on first use")
+    serve = sub.add_parser("serve", help="serve the retrain flow as a Prefect deployment on a cron schedule")
+    serve.add_argument("--workdir", default=".", help="the workspace each scheduled run retrains (default: here)")
+    serve.add_argument("--cron", default="0 3 * * *", help="when runs are due (cron syntax; default daily 03:00)")
+    serve.add_argument("--timezone", default="UTC")
+    serve.add_argument("--name", default="nightly", help="deployment name: runs are `retrain/<name>`")
+    replay = sub.add_parser("replay", help="rerun a recorded retrain run from its git + DVC state, compare metrics")
+    replay.add_argument("run_id", metavar="RUN_ID", help="the retrain (parent) run's id")
+    replay.add_argument("--scratch", help="empty folder for the checkout (default: a new temporary folder)")
+    replay.add_argument("--tracking-uri", help="default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here")
     add_kv_parser(sub)
     compare = sub.add_parser("compare", help="runs side by side: differing params, metrics with deltas, a plot")
     compare.add_argument("runs", nargs="+", metavar="RUN", help="run ids, or the aliases champion / challenger")
@@ -106,7 +114,9 @@ def dispatch(args) -> int:
             load_config(args.config)
             workdir = args.workdir or os.path.join("runs", Path(args.config).stem)
             workspace.prepare(workdir, read_config_dict(Path(args.config)))
-        load_config(os.path.join(workdir, PARAMS_FILE))
+        from posttrain.ingest import check_pending
+
+        check_pending(workdir, load_config(os.path.join(workdir, PARAMS_FILE)))  # bad rows: exit 2 here
         from flows.retrain import retrain
         retrain(workdir=workdir)
     elif args.command == "compare":
@@ -114,12 +124,54 @@ def dispatch(args) -> int:
 
         if len(args.runs) < 2:
             raise UserError("posttrain compare", "needs at least two runs", "pass two or more run ids or aliases")
-        uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
-        print(compare(args.runs, out=args.out, tracking_uri=uri, model_name=args.model_name))
+        print(compare(args.runs, out=args.out, tracking_uri=cli_tracking_uri(args), model_name=args.model_name))
+    elif args.command == "replay":
+        from posttrain.replay import replay
+
+        report, differ = replay(args.run_id, tracking_uri=cli_tracking_uri(args), scratch=args.scratch)
+        print(report)
+        return 1 if differ else 0
+    elif args.command == "serve":
+        serve_workspace(args)
     elif args.command == "kv":
         from posttrain.kv_cli import run_kv
         return run_kv(args)
     return 0
+
+
+def cli_tracking_uri(args) -> str:
+    """--tracking-uri, else MLFLOW_TRACKING_URI, else the embedded default's store here.
+    A SQLite store that does not exist is an error (MLflow would create an empty one)."""
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    if uri.startswith("sqlite:///") and not os.path.isfile(uri[len("sqlite:///"):]):
+        raise UserError(f"posttrain {args.command}", f"no MLflow store at {uri}",
+                        "run where `make run` ran, or pass --tracking-uri / set MLFLOW_TRACKING_URI")
+    return uri
+
+
+def serve_workspace(args) -> None:
+    """Check the workspace and the schedule, then serve until stopped."""
+    from posttrain.config import load_config
+
+    if not os.path.isfile(os.path.join(args.workdir, "dvc.yaml")):
+        raise UserError(f"posttrain serve --workdir {args.workdir}", "no dvc.yaml there",
+                        "pass a posttrain workspace (this repository, or runs/<name>)")
+    load_config(os.path.join(args.workdir, PARAMS_FILE))
+    from flows.deploy import nightly, serve_nightly
+
+    import zoneinfo
+
+    try:
+        zoneinfo.ZoneInfo(args.timezone)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise UserError(f"posttrain serve --timezone {args.timezone}", "unknown time zone",
+                        "give an IANA name such as UTC or Europe/Berlin") from None
+    try:
+        nightly(args.workdir, args.cron, args.timezone, args.name)
+    except ValueError as err:
+        raise UserError(f"posttrain serve --cron {args.cron!r}", str(err).splitlines()[0],
+                        "give five cron fields, e.g. '0 3 * * *'") from None
+    serve_nightly(args.workdir, args.cron, args.timezone, args.name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 
 BASE_POINTER = "posttrain_base.json"
+# A workspace's config: dvc.yaml reads its params from this file.
+PARAMS_FILE = "configs/pipeline.yaml"
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -53,6 +55,12 @@ def flatten(metrics: dict, prefix: str = "") -> dict[str, float]:
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             flat[name] = float(value)
     return flat
+
+
+def run_metrics(results: dict[str, dict]) -> dict[str, float]:
+    """Stage name -> its metrics files' content, as the parent run's metric names
+    (`grpo@dense` -> `grpo.dense.*`: MLflow names allow no '@')."""
+    return flatten({name.replace("@", "."): metrics for name, metrics in results.items()})
 
 
 def flatten_params(config: dict, prefix: str = "") -> dict[str, str]:

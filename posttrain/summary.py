@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 
-def render(evaluate: dict, serving: dict, gpu: str, run_id: str, tracking_uri: str) -> str:
+def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """Where the run opens in the MLflow UI (credentials in the URI are left out)."""
+    from urllib.parse import urlsplit
+
+    path = f"#/experiments/{experiment_id}/runs/{run_id}"
+    parts = urlsplit(tracking_uri)
+    if parts.scheme in ("http", "https"):
+        return f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path.rstrip('/')}/{path}"
+    return (f"http://127.0.0.1:5000/{path} (after `mlflow ui --backend-store-uri {tracking_uri}`)")
+
+
+def render(evaluate: dict, serving: dict, gpu: str, run_id: str, tracking_uri: str, experiment_id: str) -> str:
     """A markdown table a terminal reads as well as Prefect's artifact page does."""
     ks = sorted({int(k) for r in evaluate.values() for k in r["pass_at_k"]})
     lines = ["| model | greedy accuracy | " + " | ".join(f"pass@{k}" for k in ks) + " |",
@@ -15,5 +26,5 @@ def render(evaluate: dict, serving: dict, gpu: str, run_id: str, tracking_uri: s
         lines += ["", f"Serving on {gpu}: {serving['kv_bytes_per_token']:,.0f} KV bytes/token, "
                       f"{serving['kv_cache_tokens']:,.0f} cache tokens, {serving['max_concurrency']:,.1f} concurrent "
                       f"sessions of {serving['context_length']:,.0f} tokens."]
-    lines += ["", f"MLflow run: {run_id}", f"Open it: mlflow ui --backend-store-uri {tracking_uri}"]
+    lines += ["", f"MLflow run: {run_id}", f"Open it: {run_link(tracking_uri, experiment_id, run_id)}"]
     return "\n".join(lines)

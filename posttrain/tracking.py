@@ -63,11 +63,15 @@ def stage_run(config, stage: str, workspace: str | Path = "."):
 
 
 def git_state(workspace: str | Path = ".") -> dict[str, str]:
-    """Commit and dirtiness of the workspace's git checkout ('' when not a checkout)."""
+    """Commit of the workspace's git checkout ('' when not a checkout), whether anything
+    differs from it, and which tracked files are modified (what `posttrain replay`
+    cannot restore from the commit)."""
     def git(*args):
         done = subprocess.run(["git", *args], cwd=workspace, capture_output=True, text=True)
         return done.stdout.strip() if done.returncode == 0 else ""
-    return {"git.commit": git("rev-parse", "HEAD"), "git.dirty": str(bool(git("status", "--porcelain")))}
+    modified = git("diff", "HEAD", "--name-only")
+    return {"git.commit": git("rev-parse", "HEAD"), "git.dirty": str(bool(git("status", "--porcelain"))),
+            "git.modified": ",".join(modified.split())[:4000]}
 
 
 def stage_outputs(workspace: str | Path, stage: str) -> dict[str, str]:
@@ -105,9 +109,21 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+def config_md5(workspace: str | Path = ".") -> str:
+    """The md5 of the workspace's params file, as written (comments and all); '' without one."""
+    import hashlib
+
+    from posttrain.io import PARAMS_FILE
+
+    path = Path(workspace) / PARAMS_FILE
+    return hashlib.md5(path.read_bytes()).hexdigest() if path.is_file() else ""
+
+
 def provenance(config, workspace: str | Path = ".") -> dict[str, str]:
-    """Tags that let a run be reproduced: code, data, seed, package versions."""
-    return {**git_state(workspace), **dvc_lock_hashes(workspace), "seed": str(config.seed), **package_versions()}
+    """Tags that let a run be reproduced: code, config, data, seed, package versions."""
+    return {**git_state(workspace), **dvc_lock_hashes(workspace), "seed": str(config.seed),
+            "posttrain.workspace": str(Path(workspace).resolve()), "posttrain.config_md5": config_md5(workspace),
+            **package_versions()}
 
 
 def log_json_artifact(data, artifact_path: str) -> None:

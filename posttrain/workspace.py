@@ -8,9 +8,13 @@ resolved config as its complete `configs/pipeline.yaml`, and commits it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -20,8 +24,34 @@ from posttrain.errors import UserError
 REPO = Path(__file__).resolve().parents[1]
 
 
+def tool_path(name: str) -> str:
+    """An executable next to this interpreter (the project venv), else from PATH."""
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
+
+
+def stage_env(workdir: str | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a stage process: ours, the venv first on PATH, plus `extra`.
+
+    A workspace that holds its own `posttrain/` (a variant's, a replay's checkout) runs
+    that code, not the installed package: it goes first on PYTHONPATH.
+    """
+    env = {**os.environ, **extra}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    if workdir and (Path(workdir) / "posttrain" / "__init__.py").is_file():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(workdir).resolve()), env.get("PYTHONPATH")]))
+    return env
+
+
+def run_checked(cmd: list[str], cwd: Path) -> None:
+    """Run a git or dvc command; RuntimeError with its own message when it fails."""
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd[:3]))} failed: {(done.stderr or done.stdout).strip()[-500:]}")
+
+
 def _git(*args, cwd: Path) -> None:
-    subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True)
+    run_checked(["git", *args], cwd)
 
 
 def create(dest: str | Path, config: dict, *, remote: str | Path | None = None) -> Path:
@@ -33,13 +63,14 @@ def create(dest: str | Path, config: dict, *, remote: str | Path | None = None) 
     if dest.exists() and any(dest.iterdir()):
         raise UserError(str(dest), "the workspace folder exists and is not empty", "pick a new folder or remove it")
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("dvc.yaml", ".gitignore", ".dvcignore"):
+    for name in (".gitignore", ".dvcignore"):
         shutil.copy(REPO / name, dest / name)
     shutil.copytree(REPO / "configs", dest / "configs")
-    shutil.copytree(REPO / "posttrain", dest / "posttrain", ignore=shutil.ignore_patterns("__pycache__"))
+    copy_code(dest)
+    (dest / "datasets").mkdir()
+    shutil.copy(REPO / "datasets" / "README.md", dest / "datasets" / "README.md")  # batches are its own
     (dest / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    beside = Path(sys.executable).parent / "dvc"  # the venv's dvc, even when the venv is not on PATH
-    dvc = [str(beside) if beside.is_file() else "dvc"]
+    dvc = [tool_path("dvc")]  # the venv's dvc, even when the venv is not on PATH
     _git("init", "-q", "-b", "main", cwd=dest)
     for args in (["init", "-q"], ["config", "core.analytics", "false"],
                  ["remote", "add", "-d", "local", str(Path(remote or dest.parent / f"{dest.name}-remote").resolve())]):
@@ -50,11 +81,83 @@ def create(dest: str | Path, config: dict, *, remote: str | Path | None = None) 
     return dest
 
 
+def copy_code(dest: Path) -> None:
+    """This checkout's dvc.yaml and library into `dest`: the stages run the workspace's
+    copy (tasks.dvc_stages.stage_env), so what DVC hashes as a dep is what runs."""
+    if dest.resolve() == REPO:
+        return
+    shutil.copy(REPO / "dvc.yaml", dest / "dvc.yaml")
+    shutil.rmtree(dest / "posttrain", ignore_errors=True)
+    shutil.copytree(REPO / "posttrain", dest / "posttrain", ignore=shutil.ignore_patterns("__pycache__"))
+
+
 def prepare(workdir: str | Path, config: dict) -> Path:
-    """`workdir` set up to run `config`: created when missing, else its config replaced
-    (DVC then reruns only the stages whose params changed)."""
+    """`workdir` set up to run `config`: created when missing, else its config and code
+    replaced by this checkout's (DVC then reruns only the stages whose inputs changed)."""
     workdir = Path(workdir)
     if not (workdir / "dvc.yaml").is_file():
         return create(workdir, config)
+    copy_code(workdir)
     (workdir / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     return workdir
+
+
+LOCK = ".dvc/tmp/posttrain-retrain.lock"
+
+
+@contextlib.contextmanager
+def lock(workdir: str | Path, log=print):
+    """Hold the workspace's retrain lock for the block; a second run waits its turn.
+
+    Two runs on one workspace would write the same outputs; DVC's own lock would fail
+    the second one part-way, so it queues here instead, saying whom it waits for.
+    """
+    path = Path(workdir) / LOCK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            log(f"another retrain run holds {path} ({fh.read().strip() or 'unknown'}); waiting for it to finish")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        fh.flush()
+        try:
+            yield
+        finally:
+            fh.truncate(0)
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def stages(workdir: str | Path) -> list[dict]:
+    """The pipeline's stages in the order `dvc repro` runs them: `{"name", "metrics"}`,
+    the name as `dvc repro` takes it inside `workdir`, the metrics files relative to it.
+    `.dvc` files (versioned data in datasets/) have no command and are left out."""
+    from dvc.repo import Repo
+    from dvc.repo.reproduce import get_active_graph, plan_repro
+
+    with Repo(str(workdir)) as repo:
+        planned = plan_repro(get_active_graph(repo.index.graph))
+        return [{"name": address(s, repo.root_dir), "metrics": [o.def_path for o in s.outs if o.metric]}
+                for s in planned if getattr(s, "cmd", None)]
+
+
+def address(stage, root: str) -> str:
+    """The stage's name as `dvc repro` takes it inside `root` (DVC's own `addressing`
+    is relative to the process's folder, which differs when the flow runs a workspace
+    elsewhere, e.g. `posttrain run --config` from the repository root)."""
+    dvcfile = os.path.relpath(stage.path, root)
+    return stage.name if dvcfile == "dvc.yaml" else f"{dvcfile}:{stage.name}"
+
+
+def stage_metrics(workdir: str | Path, stage: dict) -> dict:
+    """A stage's metrics files, merged (what the flow logs for it)."""
+    from posttrain.io import read_json
+
+    metrics = {}
+    for path in stage["metrics"]:
+        metrics.update(read_json(Path(workdir) / path))
+    return metrics

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections import deque
@@ -12,44 +11,19 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NONE
 
-from posttrain.io import flatten, read_json
+from posttrain import workspace
+from posttrain.workspace import stage_env, tool_path
+from posttrain.io import flatten
 from posttrain.tracking import stage_outputs
 
 # DVC is the cache; Prefect must never skip a stage on its own.
 TASK_DEFAULTS = {"cache_policy": NONE}
 
 
-def _bin(name: str) -> str:
-    """An executable next to this interpreter (the project venv), else from PATH."""
-    candidate = Path(sys.executable).parent / name
-    return str(candidate) if candidate.exists() else name
-
-
-def stage_env(**extra: str) -> dict[str, str]:
-    """The environment of a stage process: ours, the venv first on PATH, plus `extra`."""
-    env = {**os.environ, **extra}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    return env
-
-
 @task(name="stage_order", **TASK_DEFAULTS)
 def stage_order(workdir: str) -> list[dict]:
     """Stages in the order `dvc repro` runs them, each with its metrics files."""
-    from dvc.repo import Repo
-    from dvc.repo.reproduce import get_active_graph, plan_repro
-
-    with Repo(workdir) as repo:
-        stages = plan_repro(get_active_graph(repo.index.graph))
-        return [{"name": address(s, repo.root_dir), "metrics": [o.def_path for o in s.outs if o.metric]}
-                for s in stages]
-
-
-def address(stage, root: str) -> str:
-    """The stage's name as `dvc repro` takes it inside `root` (DVC's own `addressing`
-    is relative to the process's folder, which differs when the flow runs a workspace
-    elsewhere, e.g. `posttrain run --config` from the repository root)."""
-    dvcfile = os.path.relpath(stage.path, root)
-    return stage.name if dvcfile == "dvc.yaml" else f"{dvcfile}:{stage.name}"
+    return workspace.stages(workdir)
 
 
 def run_logged(cmd: list[str], *, cwd: str, env: dict, log_path: Path) -> tuple[int, str]:
@@ -79,9 +53,9 @@ def run_stage(stage: dict, workdir: str, parent_run_id: str, tracking_uri: str) 
     child = client.create_run(parent.info.experiment_id, run_name=stage["name"],
                               tags={"mlflow.parentRunId": parent_run_id, "posttrain.stage": stage["name"]})
     run_id = child.info.run_id
-    env = stage_env(MLFLOW_RUN_ID=run_id, MLFLOW_TRACKING_URI=tracking_uri)
+    env = stage_env(workdir, MLFLOW_RUN_ID=run_id, MLFLOW_TRACKING_URI=tracking_uri)
     log_path = Path(workdir) / "logs" / f"{stage['name']}.log"
-    code, tail = run_logged([_bin("dvc"), "repro", "--single-item", stage["name"]], cwd=workdir, env=env,
+    code, tail = run_logged([tool_path("dvc"), "repro", "--single-item", stage["name"]], cwd=workdir, env=env,
                             log_path=log_path)
     client.log_artifact(run_id, str(log_path), "logs")
     outputs = stage_outputs(workdir, stage["name"])
@@ -90,9 +64,7 @@ def run_stage(stage: dict, workdir: str, parent_run_id: str, tracking_uri: str) 
     if code != 0:
         client.set_terminated(run_id, "FAILED")
         raise RuntimeError(f"stage {stage['name']!r} failed (dvc exit {code}); last lines:\n{tail}")
-    metrics = {}
-    for path in stage["metrics"]:
-        metrics.update(read_json(Path(workdir) / path))
+    metrics = workspace.stage_metrics(workdir, stage)
     if client.get_run(run_id).data.tags.get("posttrain.executed") != "true":
         client.set_tag(run_id, "posttrain.cached", "true")
         for name, value in flatten(metrics).items():
@@ -104,10 +76,10 @@ def run_stage(stage: dict, workdir: str, parent_run_id: str, tracking_uri: str) 
 @task(name="push_data", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
 def push_data(workdir: str) -> str:
     """`dvc push` to the default remote (data and models), when one is configured."""
-    remote = subprocess.run([_bin("dvc"), "remote", "default"], cwd=workdir, capture_output=True, text=True)
+    remote = subprocess.run([tool_path("dvc"), "remote", "default"], cwd=workdir, capture_output=True, text=True)
     if remote.returncode != 0 or not remote.stdout.strip():
         return "no DVC remote configured: nothing pushed"
-    done = subprocess.run([_bin("dvc"), "push", "--quiet"], cwd=workdir, env=stage_env(),
+    done = subprocess.run([tool_path("dvc"), "push", "--quiet"], cwd=workdir, env=stage_env(workdir),
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"dvc push failed: {done.stderr.strip()[-500:]}")

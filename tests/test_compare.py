@@ -1,6 +1,5 @@
 """`posttrain compare` against a real MLflow store (SQLite) holding two pipeline-shaped runs."""
 
-import subprocess
 import sys
 
 import mlflow

@@ -40,7 +40,7 @@ def test_sft_stage_refuses_before_any_compute(tmp_path):
     overrides = copy.deepcopy(SMALL)
     overrides["data"]["options"]["completion_format"] = "= {answer}"
     ws = make_workspace(tmp_path / "ws", overrides)
-    sh("posttrain", "stage", "prepare", "--config", "configs/pipeline.yaml", "--data-dir", "data",
+    sh("posttrain", "stage", "prepare", "--config", "configs/pipeline.yaml", "--data-dir", "data", "--datasets-dir", "datasets",
        "--model-dir", "artifacts/models/base", "--metrics-path", "metrics/prepare.json", cwd=ws)
     done = sh("posttrain", "stage", "sft", "--config", "configs/pipeline.yaml", "--data-dir", "data",
               "--base-dir", "artifacts/models/base", "--out-dir", "artifacts/models/sft",

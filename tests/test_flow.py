@@ -1,7 +1,11 @@
 """The retrain flow on real Prefect (ephemeral API), real MLflow and a real DVC repo."""
 
+import re
+import time
+
 import mlflow
 import pytest
+import yaml
 
 from conftest import SMALL, make_workspace, sh
 
@@ -10,17 +14,25 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def flow_runs(tmp_path_factory):
-    """The flow run twice on one workspace: the second finds everything up to date."""
+    """The flow run three times on one workspace: the second after an evaluation setting
+    changed (DVC reruns evaluate only), the third with nothing changed."""
     ws = make_workspace(tmp_path_factory.mktemp("flow") / "ws", SMALL)
     first = sh("posttrain", "run", "--workdir", ws, cwd=ws)
+    params = ws / "configs" / "pipeline.yaml"
+    config = yaml.safe_load(params.read_text())
+    config["evaluate"]["temperature"] = 0.7
+    params.write_text(yaml.safe_dump(config, sort_keys=False))
     second = sh("posttrain", "run", "--workdir", ws, cwd=ws)
+    started = time.monotonic()
+    third = sh("posttrain", "run", "--workdir", ws, cwd=ws)
+    third.seconds = time.monotonic() - started
     mlflow.set_tracking_uri(f"sqlite:///{ws / 'mlflow.db'}")
     runs = mlflow.search_runs(search_all_experiments=True, order_by=["start_time ASC"])
-    return ws, first, second, runs
+    return ws, first, second, runs, third
 
 
 def test_one_parent_and_one_child_per_stage(flow_runs):
-    _, _, _, runs = flow_runs
+    _, _, _, runs, _ = flow_runs
     parents = runs[runs["tags.mlflow.parentRunId"].isna()]
     assert len(parents) == 2
     for parent_id in parents["run_id"]:
@@ -32,7 +44,7 @@ def test_one_parent_and_one_child_per_stage(flow_runs):
 
 
 def test_parent_carries_provenance_and_results(flow_runs):
-    _, _, _, runs = flow_runs
+    _, _, _, runs, _ = flow_runs
     parent = runs[runs["tags.mlflow.parentRunId"].isna()].iloc[0]
     for tag in ("git.commit", "dvc.data_md5", "dvc.lock_md5", "seed", "version.trl", "version.torch"):
         assert isinstance(parent[f"tags.{tag}"], str) and parent[f"tags.{tag}"], tag
@@ -42,7 +54,7 @@ def test_parent_carries_provenance_and_results(flow_runs):
 
 
 def test_child_runs_hold_their_artifacts(flow_runs):
-    _, _, _, runs = flow_runs
+    _, _, _, runs, _ = flow_runs
     first_parent = runs[runs["tags.mlflow.parentRunId"].isna()].iloc[0]["run_id"]
     children = runs[runs["tags.mlflow.parentRunId"] == first_parent].set_index("tags.mlflow.runName")
     client = mlflow.MlflowClient()
@@ -57,14 +69,14 @@ def test_child_runs_hold_their_artifacts(flow_runs):
     assert outputs["artifacts/models/dense"].endswith(".dir")
 
 
-def test_second_run_is_cached_with_recorded_metrics(flow_runs):
-    _, _, second, runs = flow_runs
+def test_second_run_reruns_only_what_changed(flow_runs):
+    _, _, second, runs, _ = flow_runs
     last_parent = runs[runs["tags.mlflow.parentRunId"].isna()].iloc[-1]["run_id"]
-    children = runs[runs["tags.mlflow.parentRunId"] == last_parent]
-    assert set(children["tags.posttrain.cached"]) == {"true"}
-    evaluate = children[children["tags.mlflow.runName"] == "evaluate"].iloc[0]
-    assert evaluate["metrics.grpo.greedy_accuracy"] >= 0
-    assert "| model | greedy accuracy |" in second.stdout and "mlflow ui --backend-store-uri" in second.stdout
+    children = runs[runs["tags.mlflow.parentRunId"] == last_parent].set_index("tags.mlflow.runName")
+    cached = {stage: tag == "true" for stage, tag in children["tags.posttrain.cached"].items()}
+    assert cached == {"prepare": True, "sft": True, "grpo@dense": True, "serving": True, "evaluate": False}
+    assert children.loc["evaluate", "metrics.grpo.greedy_accuracy"] >= 0
+    assert "| model | greedy accuracy |" in second.stdout and "#/experiments/" in second.stdout
 
 
 def test_data_and_models_are_pushed_to_the_local_remote(flow_runs):
@@ -74,7 +86,7 @@ def test_data_and_models_are_pushed_to_the_local_remote(flow_runs):
 
 
 def test_first_run_is_champion_and_an_equal_second_is_challenger(flow_runs):
-    ws, first, second, runs = flow_runs
+    ws, first, second, runs, _ = flow_runs
     client = mlflow.MlflowClient()
     parents = runs[runs["tags.mlflow.parentRunId"].isna()]
     assert list(parents["tags.posttrain.promotion"]) == ["champion", "challenger"]
@@ -86,3 +98,42 @@ def test_first_run_is_champion_and_an_equal_second_is_challenger(flow_runs):
     assert champion.run_id == parents["run_id"].iloc[0]
     assert "config.json" in {f.path.split("/")[-1] for f in client.list_artifacts(champion.run_id, "model")}
     assert "Model registry: posttrain version 2 is the challenger" in second.stdout
+
+
+def test_unchanged_inputs_mean_nothing_to_do(flow_runs):
+    _, _, _, runs, third = flow_runs
+    assert "Nothing to do: data and config are unchanged since retrain run" in third.stdout
+    assert third.seconds < 60
+    assert len(runs[runs["tags.mlflow.parentRunId"].isna()]) == 2      # no run recorded for it
+
+
+def test_replay_reproduces_the_first_run_exactly(flow_runs, tmp_path):
+    ws, _, _, runs, _ = flow_runs
+    first = runs[runs["tags.mlflow.parentRunId"].isna()].iloc[0]
+    done = sh("posttrain", "replay", first["run_id"], "--tracking-uri", f"sqlite:///{ws / 'mlflow.db'}",
+              "--scratch", tmp_path / "replay", cwd=ws, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"commit {first['tags.git.commit'][:12]}" in done.stdout
+    lines = {line.split()[0]: line for line in done.stdout.splitlines() if line.startswith(("evaluate.", "sft."))}
+    assert lines["evaluate.sft.pass_at_k.4"].endswith("identical")     # sampled at the first run's temperature
+    assert lines["sft.train_seconds"].endswith("wall-clock, not compared")
+    assert ", 0 DIFFERENT," in done.stdout
+
+
+def test_unknown_replay_run_is_one_line_exit_2(flow_runs):
+    ws = flow_runs[0]
+    done = sh("posttrain", "replay", "f" * 32, "--tracking-uri", f"sqlite:///{ws / 'mlflow.db'}", cwd=ws, check=False)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert "ffffffff" in done.stderr and "no such run" in done.stderr
+
+
+def test_dvc_experiment_sweep_and_metrics_diff(flow_runs):
+    """The README's example: commit a baseline, sweep one param, diff the metrics."""
+    ws = flow_runs[0]
+    sh("git", "add", "-A", cwd=ws)
+    sh("git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline", cwd=ws)
+    sh("dvc", "exp", "run", "-S", "configs/pipeline.yaml:serving.gpu_memory_utilization=0.5", cwd=ws)
+    diff = sh("dvc", "metrics", "diff", "--md", cwd=ws).stdout
+    assert re.search(r"\| metrics/serving\.json\s+\| max_concurrency", diff)
+    assert "metrics/sft.json" not in diff and "metrics/evaluate.json" not in diff   # only serving reran
+    assert "0.5" in sh("dvc", "exp", "show", "--md", "--no-pager", cwd=ws).stdout

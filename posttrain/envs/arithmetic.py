@@ -12,6 +12,7 @@ import re
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 _ANSWER = re.compile(r"^\s*(-?\d+)\s*$")
+_PROMPT = re.compile(r"^(\d+)([-+*])(\d+)=$")
 
 
 class ArithmeticEnv:
@@ -34,6 +35,15 @@ class ArithmeticEnv:
     def row(self, a: int, b: int, op: str) -> dict:
         answer = str(_OPS[op](a, b))
         return {"prompt": f"{a}{op}{b}=", "completion": self.completion_format.format(answer=answer), "answer": answer}
+
+    def check_row(self, row: dict) -> str | None:
+        """Why an incoming row is not a true `a op b=` fact, or None (posttrain.ingest)."""
+        match = _PROMPT.match(row["prompt"])
+        if not match:
+            return f"prompt {row['prompt']!r} is not of the form `<a><op><b>=` (op one of {''.join(_OPS)})"
+        a, op, b = int(match.group(1)), match.group(2), int(match.group(3))
+        truth = str(_OPS[op](a, b))
+        return None if row["answer"] == truth else f"answer {row['answer']!r} is wrong: {a}{op}{b}={truth}"
 
     def parse(self, completion: str) -> str | None:
         match = _ANSWER.match(completion)

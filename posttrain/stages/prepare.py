@@ -12,24 +12,35 @@ from pathlib import Path
 import mlflow
 
 from posttrain.envs import get_env
+from posttrain.ingest import extra_rows
 from posttrain.io import BASE_POINTER, write_json, write_jsonl
 from posttrain.tiny_model import save_tiny_model
 from posttrain.tracking import log_json_artifact, stage_run
 
 
-def main(config, *, data_dir: str, model_dir: str, metrics_path: str) -> dict[str, float]:
+def main(config, *, data_dir: str, datasets_dir: str, model_dir: str, metrics_path: str) -> dict[str, float]:
     with stage_run(config, "prepare"):
         env = get_env(config.data.env, **config.data.options)
         splits = env.generate(config.seed)
+        added = add_rows(splits, extra_rows(datasets_dir))
         manifest = write_splits(splits, Path(data_dir))
         params = prepare_model(config, Path(model_dir))
         metrics = {f"{name}_rows": float(len(rows)) for name, rows in splits.items()}
+        metrics["datasets_rows"] = float(added)
         metrics["base_params"] = float(params)
         mlflow.log_params({"env": config.data.env, **{f"data.{k}": v for k, v in config.data.options.items()}})
         mlflow.log_metrics(metrics)
         log_json_artifact(manifest, "data_manifest.json")
         write_json(metrics_path, metrics)
     return metrics
+
+
+def add_rows(splits: dict[str, list[dict]], rows: list[dict]) -> int:
+    """Append versioned rows (`datasets/`) to train, skipping prompts either split has."""
+    seen = {r["prompt"] for split in splits.values() for r in split}
+    new = [r for r in rows if r["prompt"] not in seen and not seen.add(r["prompt"])]
+    splits["train"] = splits["train"] + new
+    return len(new)
 
 
 def write_splits(splits: dict[str, list[dict]], data_dir: Path) -> dict:

@@ -1,0 +1,104 @@
+"""Scheduled retraining against real servers on loopback.
+
+`prefect server start` (on SQLite, and on the local PostgreSQL), `posttrain serve`
+registering the cron deployment and running its flow runs, and, with PostgreSQL,
+`mlflow server` on PostgreSQL with a proxied artifact store as the tracking server.
+Two runs are triggered at once with new data waiting in `incoming/`: the deployment's
+concurrency limit queues one behind the other; the first versions the data and
+trains, the second finds nothing changed and says so quickly.
+"""
+
+import contextlib
+import datetime
+import json
+
+import pytest
+from mlflow import MlflowClient
+
+from conftest import SMALL, make_workspace, sh
+from servers import (POSTGRES, api, mlflow_server, postgres_database, prefect_server, process_env, running,
+                     wait_for)
+
+pytestmark = pytest.mark.slow
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def served(request, tmp_path):
+    """(workspace, Prefect API URL, MLflow URI or None, deployment) with `posttrain serve` running."""
+    with contextlib.ExitStack() as stack:
+        mlflow_uri = None
+        if request.param == "sqlite":
+            database_url = f"sqlite+aiosqlite:///{tmp_path / 'prefect.db'}"
+        else:
+            database_url = f"postgresql+asyncpg://{POSTGRES}/{stack.enter_context(postgres_database())}"
+            mlflow_uri = stack.enter_context(mlflow_server(tmp_path, stack.enter_context(postgres_database())))
+        api_url = stack.enter_context(prefect_server(tmp_path, database_url))
+        ws = make_workspace(tmp_path / "ws", SMALL)
+        env = process_env(PREFECT_API_URL=api_url, PREFECT_HOME=str(tmp_path / "client-home"),
+                          **({"MLFLOW_TRACKING_URI": mlflow_uri} if mlflow_uri else {}))
+        log = tmp_path / "serve.log"
+        serve = stack.enter_context(running(["posttrain", "serve", "--workdir", ws, "--cron", "0 3 * * *"],
+                                            log=log, env=env, cwd=ws))
+        deployment = wait_for(lambda: _deployment(api_url), 120, "the served deployment", serve, log)
+        yield ws, api_url, mlflow_uri, deployment, log
+
+
+def _deployment(api_url):
+    with contextlib.suppress(Exception):
+        return api(api_url, "/deployments/name/retrain/nightly")
+
+
+def _flow_run(api_url, run_id):
+    return api(api_url, f"/flow_runs/{run_id}")
+
+
+def _time(stamp: str) -> datetime.datetime:
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+
+
+def test_scheduled_runs_version_data_queue_and_skip_unchanged_inputs(served):
+    ws, api_url, mlflow_uri, deployment, log = served
+    assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 3 * * *"]
+    assert deployment["global_concurrency_limit"]["limit"] == 1
+    (ws / "incoming").mkdir()
+    (ws / "incoming" / "batch.jsonl").write_text(json.dumps({"prompt": "12+3=", "answer": "15"}) + "\n")
+
+    ids = [api(api_url, f"/deployments/{deployment['id']}/create_flow_run", {})["id"] for _ in range(2)]
+    runs = wait_for(lambda: (lambda rs: rs if all(r["state_type"] in TERMINAL for r in rs) else None)(
+        [_flow_run(api_url, i) for i in ids]), 900, "both flow runs to finish", log=log)
+    assert [r["state_type"] for r in runs] == ["COMPLETED", "COMPLETED"], log.read_text()[-3000:]
+    first, second = sorted(runs, key=lambda r: _time(r["start_time"]))
+    assert _time(second["start_time"]) >= _time(first["end_time"]) - datetime.timedelta(seconds=1)  # queued
+    assert (_time(second["end_time"]) - _time(second["start_time"])).total_seconds() < 60
+
+    artifacts = {r["id"]: api(api_url, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [r["id"]]}}})
+                 for r in (first, second)}
+    summary = [a["data"] for a in artifacts[first["id"]] if a["key"] == "retrain-summary"][0]
+    assert "| model | greedy accuracy |" in summary and "MLflow run:" in summary
+    assert "Gates: dense accepted" in summary and "is the champion" in summary
+    assert f"{mlflow_uri}/#/experiments/" in summary if mlflow_uri else "#/experiments/" in summary   # the link
+    assert "Nothing to do" in [a["data"] for a in artifacts[second["id"]] if a["key"] == "retrain-summary"][0]
+
+    # the new data is a DVC version: committed .dvc file, data in the remote, rows in training
+    assert "data: 1 rows from batch.jsonl" in sh("git", "log", "--format=%s", cwd=ws).stdout
+    assert json.loads((ws / "metrics" / "prepare.json").read_text())["datasets_rows"] == 1
+    assert "in sync" in sh("dvc", "status", "--cloud", cwd=ws).stdout
+    if mlflow_uri:
+        _check_tracking_server(mlflow_uri, ws)
+
+
+def _check_tracking_server(uri, ws):
+    """The run, its child runs, artifacts (through the proxy) and the registry on `mlflow server`."""
+    client = MlflowClient(uri)
+    parent = client.search_runs([client.get_experiment_by_name("posttrain").experiment_id],
+                                filter_string="tags.`posttrain.flow` = 'retrain'")
+    assert len(parent) == 1
+    run = parent[0]
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:")
+    assert run.data.tags["posttrain.workspace"] == str(ws) and run.data.tags["git.commit"]
+    assert {"params", "dvc.lock", "model"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    champion = client.get_model_version_by_alias("posttrain", "champion")
+    assert champion.run_id == run.info.run_id
+    stages = client.search_runs([run.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")
+    assert {s.data.tags["mlflow.runName"] for s in stages} == {"prepare", "sft", "grpo@dense", "serving", "evaluate"}
