@@ -49,8 +49,8 @@ def retrain(workdir: str = ".") -> dict:
         config = load_config(Path(workdir) / PARAMS_FILE)
         uri = tracking_uri(config, workdir)
         added = version_data(workdir, config)
-        if added:
-            logger.info(f"versioned new data: {', '.join(added)}")
+        if added:  # pushed now: the batch has left incoming/, the remote must hold it whatever follows
+            logger.info(f"versioned new data: {', '.join(added)}; {push_data(workdir, added)}")
         previous = None if added else previous_result(workdir, config, uri)
         if previous:
             run_id, experiment = previous
@@ -73,7 +73,8 @@ def run_pipeline(config, workdir: str, uri: str, logger) -> tuple[dict, str]:
         mlflow.set_tags({**provenance(config, workdir), "posttrain.flow": "retrain"})
         mlflow.log_text(yaml.safe_dump(config.model_dump(by_alias=True), sort_keys=False), "config.resolved.yaml")
         mlflow.log_artifact(str(Path(workdir) / PARAMS_FILE), "params")  # as written: what replay restores
-        mlflow.log_params(flatten_params(config.model_dump(by_alias=True)))  # what `posttrain compare` diffs
+        params = flatten_params(config.model_dump(by_alias=True))  # what `posttrain compare` diffs
+        mlflow.log_params({**params, "tracking.uri": summary.redact(params["tracking.uri"])})
         results = {}
         for stage in stage_order(workdir):
             results[stage["name"]] = stage_task(stage, workdir, parent.info.run_id, uri)

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from posttrain.errors import GateFailure, UserError
+from posttrain.errors import GateFailure, ReplayError, UserError
 from posttrain.io import PARAMS_FILE
 
 # Offline by default: real models are local paths; Prefect and DVC send no telemetry.
@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--workdir", default=".", help="the workspace each scheduled run retrains (default: here)")
     serve.add_argument("--cron", default="0 3 * * *", help="when runs are due (cron syntax; default daily 03:00)")
     serve.add_argument("--timezone", default="UTC")
-    serve.add_argument("--name", default="nightly", help="deployment name: runs are `retrain/<name>`")
+    serve.add_argument("--name", default="nightly", help="deployment name: runs are `retrain/<name>`; "
+                       "one name per workspace (a second serve with the same name takes the deployment over)")
     replay = sub.add_parser("replay", help="rerun a recorded retrain run from its git + DVC state, compare metrics")
     replay.add_argument("run_id", metavar="RUN_ID", help="the retrain (parent) run's id")
     replay.add_argument("--scratch", help="empty folder for the checkout (default: a new temporary folder)")
@@ -104,21 +105,7 @@ def dispatch(args) -> int:
         metrics = importlib.import_module(f"posttrain.stages.{args.stage}").main(config, **kwargs)
         print(json.dumps(metrics, indent=2, sort_keys=True))
     elif args.command == "run":
-        workdir = args.workdir or "."
-        if args.config:
-            from pathlib import Path
-
-            from posttrain import workspace
-            from posttrain.config import read_config_dict
-
-            load_config(args.config)
-            workdir = args.workdir or os.path.join("runs", Path(args.config).stem)
-            workspace.prepare(workdir, read_config_dict(Path(args.config)))
-        from posttrain.ingest import check_pending
-
-        check_pending(workdir, load_config(os.path.join(workdir, PARAMS_FILE)))  # bad rows: exit 2 here
-        from flows.retrain import retrain
-        retrain(workdir=workdir)
+        run_workspace(args)
     elif args.command == "compare":
         from posttrain.compare import compare
 
@@ -139,6 +126,33 @@ def dispatch(args) -> int:
     return 0
 
 
+def run_workspace(args) -> None:
+    """`posttrain run`: check the inputs, then the flow, holding the workspace's lock
+    throughout (a variant's workspace is rewritten first: not under a running flow)."""
+    from pathlib import Path
+
+    from posttrain import workspace
+    from posttrain.config import load_config, read_config_dict
+    from posttrain.ingest import check_pending
+
+    if args.config:
+        load_config(args.config)
+    workdir = args.workdir or (os.path.join("runs", Path(args.config).stem) if args.config else ".")
+    if not args.config:
+        load_config(os.path.join(workdir, PARAMS_FILE))
+    if args.config and not Path(workdir, "dvc.yaml").is_file():
+        workspace.create(workdir, read_config_dict(Path(args.config)))
+    if not (Path(workdir, "dvc.yaml").is_file() and Path(workdir, ".dvc").is_dir()):
+        raise UserError(f"posttrain run --workdir {workdir}", "not a DVC workspace (no dvc.yaml or .dvc/)",
+                        "run in this repository's root, or use --config FILE to create a workspace")
+    with workspace.lock(workdir, log=lambda message: print(message, file=sys.stderr, flush=True)):
+        if args.config:
+            workspace.prepare(workdir, read_config_dict(Path(args.config)))
+        check_pending(workdir, load_config(os.path.join(workdir, PARAMS_FILE)))  # bad rows: exit 2 here
+        from flows.retrain import retrain
+        retrain(workdir=workdir)
+
+
 def cli_tracking_uri(args) -> str:
     """--tracking-uri, else MLFLOW_TRACKING_URI, else the embedded default's store here.
     A SQLite store that does not exist is an error (MLflow would create an empty one)."""
@@ -153,10 +167,15 @@ def serve_workspace(args) -> None:
     """Check the workspace and the schedule, then serve until stopped."""
     from posttrain.config import load_config
 
+    from prefect.settings import get_current_settings
+
     if not os.path.isfile(os.path.join(args.workdir, "dvc.yaml")):
         raise UserError(f"posttrain serve --workdir {args.workdir}", "no dvc.yaml there",
                         "pass a posttrain workspace (this repository, or runs/<name>)")
     load_config(os.path.join(args.workdir, PARAMS_FILE))
+    if not get_current_settings().api.url:  # an ephemeral API runs no scheduler: runs would never come due
+        raise UserError("posttrain serve", "PREFECT_API_URL is not set",
+                        "start a server (`prefect server start`) and export PREFECT_API_URL=http://HOST:4200/api")
     from flows.deploy import nightly, serve_nightly
 
     import zoneinfo
@@ -185,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     except GateFailure as err:
         print(f"posttrain: gate failed: {err}", file=sys.stderr)
         return 3
+    except ReplayError as err:
+        print(f"posttrain: replay failed: {err}", file=sys.stderr)
+        return 4
 
 
 if __name__ == "__main__":

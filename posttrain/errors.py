@@ -16,3 +16,8 @@ class UserError(Exception):
 class GateFailure(Exception):
     """A gate the pipeline must pass was not met (a serving SLO, say): the CLI prints the
     one-line reason and exits 3, so the stage, DVC and the flow all stop there."""
+
+
+class ReplayError(RuntimeError):
+    """`posttrain replay` itself failed (a clone, a pull, the rerun), as opposed to metrics
+    that differ: the CLI prints the one-line reason and exits 4."""

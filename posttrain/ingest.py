@@ -54,21 +54,24 @@ def check_row(env, row, heldout: set[str]) -> str | None:
 def read_batch(path: Path, env, heldout: set[str]) -> tuple[list[dict], list[str]]:
     """(rows, errors) of one incoming file; each error reads `file:line: reason`."""
     rows, errors = [], []
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                errors.append(f"{path}:{number}: not JSON ({err.msg})")
-                continue
-            problem = check_row(env, row, heldout)
-            if problem:
-                errors.append(f"{path}:{number}: {problem}")
-            else:
-                rows.append({"prompt": row["prompt"], "answer": row["answer"],
-                             "completion": row.get("completion", row["answer"])})
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        return [], [f"{path}: not UTF-8 text (byte {err.start})"]
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            errors.append(f"{path}:{number}: not JSON ({err.msg})")
+            continue
+        problem = check_row(env, row, heldout)
+        if problem:
+            errors.append(f"{path}:{number}: {problem}")
+        else:
+            rows.append({"prompt": row["prompt"], "answer": row["answer"],
+                         "completion": row.get("completion", row["answer"])})
     if not rows and not errors:
         errors.append(f"{path}: empty file")
     return rows, errors
@@ -117,6 +120,9 @@ def version_incoming(workdir: str | Path, env, heldout: set[str], dvc: str = "dv
     batches = validate(workdir, env, heldout)
     if not batches:
         return []
+    if not (workdir / ".git").exists():
+        raise UserError(str(workdir / INCOMING), "new data is versioned in git + DVC, but the workspace is not a "
+                        "git repository", "run `git init && dvc init` there (or use `posttrain run --config`)")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     written = []
     try:
@@ -127,10 +133,12 @@ def version_incoming(workdir: str | Path, env, heldout: set[str], dvc: str = "dv
             written.append(dest)
         names = [str(p.relative_to(workdir)) for p in written]
         run_checked([dvc, "add", "--quiet", *names], workdir)
-        run_checked(["git", "add", *(n + ".dvc" for n in names), f"{DATASETS}/.gitignore"], workdir)
+        paths = [*(n + ".dvc" for n in names), f"{DATASETS}/.gitignore"]
+        run_checked(["git", "add", *paths], workdir)
         rows = sum(len(r) for r in batches.values())
-        run_checked(["git", *_identity(workdir), "commit", "-q", "-m",
-              f"data: {rows} rows from {', '.join(p.name for p in batches)} (posttrain ingest)"], workdir)
+        message = f"data: {rows} rows from {', '.join(p.name for p in batches)} (posttrain ingest)"
+        # only these paths: whatever else the user has staged stays out of the data commit
+        run_checked(["git", *_identity(workdir), "commit", "-q", "-m", message, "--", *paths], workdir)
     except BaseException:
         _undo(workdir, written)
         raise
@@ -146,12 +154,19 @@ def _identity(workdir: Path) -> list[str]:
 
 
 def _undo(workdir: Path, written: list[Path]) -> None:
+    def git(*args):
+        subprocess.run(["git", *args], cwd=workdir, capture_output=True)
     for path in written:
         for leftover in (path, path.with_name(path.name + ".dvc")):
-            subprocess.run(["git", "rm", "-q", "--cached", "--ignore-unmatch", str(leftover)], cwd=workdir,
-                           capture_output=True)
+            git("rm", "-q", "--cached", "--ignore-unmatch", str(leftover))
             leftover.unlink(missing_ok=True)
-    subprocess.run(["git", "checkout", "-q", "--", f"{DATASETS}/.gitignore"], cwd=workdir, capture_output=True)
+    ignore = f"{DATASETS}/.gitignore"
+    git("reset", "-q", "--", ignore)
+    in_head = subprocess.run(["git", "cat-file", "-e", f"HEAD:{ignore}"], cwd=workdir, capture_output=True)
+    if in_head.returncode == 0:
+        git("checkout", "-q", "--", ignore)
+    else:
+        (workdir / ignore).unlink(missing_ok=True)
 
 
 def extra_rows(datasets_dir: str | Path) -> list[dict]:
@@ -159,12 +174,13 @@ def extra_rows(datasets_dir: str | Path) -> list[dict]:
     from posttrain.io import read_jsonl
 
     datasets_dir = Path(datasets_dir)
-    missing = [p.name[:-4] for p in sorted(datasets_dir.glob("*.jsonl.dvc"))
-               if not (datasets_dir / p.name[:-4]).is_file()]
+    versioned = [datasets_dir / p.name[:-4] for p in sorted(datasets_dir.glob("*.jsonl.dvc"))]
+    missing = [p for p in versioned if not p.is_file()]
     if missing:
-        raise UserError(str(datasets_dir / missing[0]), "versioned data is not in the workspace",
+        raise UserError(str(missing[0]), "versioned data is not in the workspace",
                         f"run `dvc pull {DATASETS}` to fetch it from the DVC remote")
-    return [row for path in sorted(datasets_dir.glob("*.jsonl")) for row in read_jsonl(path)]
+    # only files with a .dvc record: a file put here by hand (or half-written) is not data
+    return [row for path in versioned for row in read_jsonl(path)]
 
 
 __all__ = ["INCOMING", "DATASETS", "check_row", "read_batch", "validate", "version_incoming", "extra_rows"]

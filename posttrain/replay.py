@@ -17,11 +17,13 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from posttrain.errors import UserError
+from posttrain.errors import ReplayError, UserError
 from posttrain.io import PARAMS_FILE, run_metrics
 from posttrain.tracking import package_versions
 from posttrain.workspace import run_checked, stage_env, stage_metrics, stages, tool_path
 
+# What a run reads besides the config file: its code, stage graph and versioned data.
+PIPELINE_INPUTS = ("dvc.yaml", "posttrain/", "configs/", "datasets/")
 WALL_CLOCK = re.compile(r"(seconds|per_second|latency|throughput|_ms$|_s$|ttft|tpot)")
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -39,6 +41,9 @@ def recorded_run(client, run_id: str):
         raise UserError(where, "no such run in the tracking store", "check the run id and MLFLOW_TRACKING_URI") from None
     if run.data.tags.get("posttrain.flow") != "retrain":
         raise UserError(where, "not a retrain run (a stage's child run?)", "pass the parent run's id")
+    if run.info.status != "FINISHED":
+        raise UserError(where, f"the run did not finish ({run.info.status}): there are no results to compare",
+                        "replay a finished run")
     return run
 
 
@@ -49,10 +54,11 @@ def checkout(client, run, scratch: Path) -> Path:
     if not commit or not Path(source, ".git").exists():
         raise UserError(where, f"its workspace {source or '(unrecorded)'} is not a git checkout here",
                         "replay on the machine that ran it, or from a clone at the same path")
-    modified = [f for f in tags.get("git.modified", "").split(",") if f and f != PARAMS_FILE]
+    modified = [f for f in tags.get("git.modified", "").split(",")
+                if f.startswith(PIPELINE_INPUTS) and f != PARAMS_FILE]  # the config is restored below
     if modified:
         raise UserError(where, f"it ran with uncommitted changes to {', '.join(modified[:3])}",
-                        "commit code changes before running, so the commit names the code")
+                        "commit code and data changes before running, so the commit names them")
     run_checked(["git", "clone", "-q", "--no-checkout", source, str(scratch)], Path.cwd())
     run_checked(["git", "checkout", "-q", commit], scratch)
     params = client.download_artifacts(run.info.run_id, f"params/{Path(PARAMS_FILE).name}", str(scratch / ".replay"))
@@ -69,6 +75,9 @@ def _same_remote(source: Path, scratch: Path) -> None:
     `.dvc/config` would otherwise resolve against the scratch folder)."""
     from dvc.repo import Repo
 
+    local = source / ".dvc" / "config.local"  # credentials set with `dvc remote modify --local`
+    if local.is_file():
+        shutil.copy(local, scratch / ".dvc" / "config.local")
     with Repo(str(source)) as repo:
         remotes = {name: conf["url"] for name, conf in repo.config.get("remote", {}).items()}
     for name, url in remotes.items():  # DVC has made local paths absolute
@@ -82,10 +91,13 @@ def rerun(scratch: Path) -> dict[str, float]:
     for key in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME"):
         env.pop(key, None)
     with open(log, "w") as fh:
-        done = subprocess.run([tool_path("dvc"), "repro"], cwd=scratch, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        # no run-cache: every stage really runs, even where a shared DVC cache knows its outputs
+        done = subprocess.run([tool_path("dvc"), "repro", "--no-run-cache"], cwd=scratch, env=env, stdout=fh,
+                              stderr=subprocess.STDOUT)
     if done.returncode != 0:
         tail = log.read_text().splitlines()[-15:]
-        raise RuntimeError(f"the replayed pipeline failed (dvc exit {done.returncode}); see {log}:\n" + "\n".join(tail))
+        raise ReplayError(f"the replayed pipeline failed (dvc exit {done.returncode}): "
+                          f"{tail[-1] if tail else ''}; its log: {log}")
     return run_metrics({stage["name"]: stage_metrics(scratch, stage) for stage in stages(scratch)})
 
 
@@ -123,7 +135,10 @@ def replay(run_id: str, *, tracking_uri: str, scratch: str | None = None) -> tup
             f"scratch checkout: {folder}"]
     head += [f"note: {name} is {now} here, {tags[name]} in the run" for name, now in package_versions().items()
              if tags.get(name) not in (None, now)]
-    rerun_metrics = rerun(checkout(client, run, folder))
+    try:
+        rerun_metrics = rerun(checkout(client, run, folder))
+    except RuntimeError as err:  # a clone, pull or command that failed: one line, not a traceback
+        raise ReplayError(str(err).splitlines()[0]) from None
     text, differ = table(run.data.metrics, rerun_metrics)
     return "\n".join(head + ["", text]), differ
 

@@ -11,7 +11,17 @@ def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
     parts = urlsplit(tracking_uri)
     if parts.scheme in ("http", "https"):
         return f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path.rstrip('/')}/{path}"
-    return (f"http://127.0.0.1:5000/{path} (after `mlflow ui --backend-store-uri {tracking_uri}`)")
+    return f"http://127.0.0.1:5000/{path} (after `mlflow ui --backend-store-uri {redact(tracking_uri)}`)"
+
+
+def redact(uri: str) -> str:
+    """`uri` without a password (`postgresql://user:secret@host/db` -> `postgresql://user:***@host/db`)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    if not parts.password:
+        return uri
+    return urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)))
 
 
 def render(evaluate: dict, serving: dict, gpu: str, run_id: str, tracking_uri: str, experiment_id: str) -> str:

@@ -64,14 +64,14 @@ def stage_run(config, stage: str, workspace: str | Path = "."):
 
 def git_state(workspace: str | Path = ".") -> dict[str, str]:
     """Commit of the workspace's git checkout ('' when not a checkout), whether anything
-    differs from it, and which tracked files are modified (what `posttrain replay`
-    cannot restore from the commit)."""
+    differs from it, and which paths differ, untracked ones included (`posttrain replay`
+    refuses a run whose pipeline inputs differed from the commit)."""
     def git(*args):
         done = subprocess.run(["git", *args], cwd=workspace, capture_output=True, text=True)
         return done.stdout.strip() if done.returncode == 0 else ""
-    modified = git("diff", "HEAD", "--name-only")
-    return {"git.commit": git("rev-parse", "HEAD"), "git.dirty": str(bool(git("status", "--porcelain"))),
-            "git.modified": ",".join(modified.split())[:4000]}
+    changed = [line[3:].strip('"') for line in git("status", "--porcelain").splitlines()]
+    return {"git.commit": git("rev-parse", "HEAD"), "git.dirty": str(bool(changed)),
+            "git.modified": ",".join(changed)[:4000]}
 
 
 def stage_outputs(workspace: str | Path, stage: str) -> dict[str, str]:

@@ -98,11 +98,20 @@ def prepare(workdir: str | Path, config: dict) -> Path:
     if not (workdir / "dvc.yaml").is_file():
         return create(workdir, config)
     copy_code(workdir)
+    (workdir / "datasets").mkdir(exist_ok=True)  # workspaces from before new data was versioned
+    shutil.copy(REPO / "datasets" / "README.md", workdir / "datasets" / "README.md")
     (workdir / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    # commit what changed, so the run's git commit names its code and config (replay)
+    _git("add", "dvc.yaml", "posttrain", "configs", "datasets/README.md", cwd=workdir)
+    staged = subprocess.run(["git", "diff", "--cached", "--quiet"], cwd=workdir)
+    if staged.returncode:
+        _git("-c", "user.email=posttrain@localhost", "-c", "user.name=posttrain", "commit", "-qm",
+             "posttrain workspace: code and config updated", cwd=workdir)
     return workdir
 
 
 LOCK = ".dvc/tmp/posttrain-retrain.lock"
+_HELD: set[str] = set()
 
 
 @contextlib.contextmanager
@@ -112,7 +121,10 @@ def lock(workdir: str | Path, log=print):
     Two runs on one workspace would write the same outputs; DVC's own lock would fail
     the second one part-way, so it queues here instead, saying whom it waits for.
     """
-    path = Path(workdir) / LOCK
+    path = Path(workdir).resolve() / LOCK
+    if str(path) in _HELD:  # this process holds it already (the CLI around the flow)
+        yield
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as fh:
         try:
@@ -125,9 +137,11 @@ def lock(workdir: str | Path, log=print):
         fh.truncate()
         fh.write(f"pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
         fh.flush()
+        _HELD.add(str(path))
         try:
             yield
         finally:
+            _HELD.discard(str(path))
             fh.truncate(0)
             fcntl.flock(fh, fcntl.LOCK_UN)
 

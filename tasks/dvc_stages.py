@@ -74,12 +74,12 @@ def run_stage(stage: dict, workdir: str, parent_run_id: str, tracking_uri: str) 
 
 
 @task(name="push_data", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
-def push_data(workdir: str) -> str:
-    """`dvc push` to the default remote (data and models), when one is configured."""
+def push_data(workdir: str, targets: list[str] | None = None) -> str:
+    """`dvc push` to the default remote (data and models, or just `targets`), when one is configured."""
     remote = subprocess.run([tool_path("dvc"), "remote", "default"], cwd=workdir, capture_output=True, text=True)
     if remote.returncode != 0 or not remote.stdout.strip():
         return "no DVC remote configured: nothing pushed"
-    done = subprocess.run([tool_path("dvc"), "push", "--quiet"], cwd=workdir, env=stage_env(workdir),
+    done = subprocess.run([tool_path("dvc"), "push", "--quiet", *(targets or [])], cwd=workdir, env=stage_env(workdir),
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"dvc push failed: {done.stderr.strip()[-500:]}")

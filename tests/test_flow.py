@@ -103,7 +103,9 @@ def test_first_run_is_champion_and_an_equal_second_is_challenger(flow_runs):
 def test_unchanged_inputs_mean_nothing_to_do(flow_runs):
     _, _, _, runs, third = flow_runs
     assert "Nothing to do: data and config are unchanged since retrain run" in third.stdout
-    assert third.seconds < 60
+    # the process, Prefect's ephemeral server included; the flow run itself is timed
+    # against the 60 s target in tests/test_scheduled.py
+    assert third.seconds < 120
     assert len(runs[runs["tags.mlflow.parentRunId"].isna()]) == 2      # no run recorded for it
 
 

@@ -27,6 +27,8 @@ HELDOUT = {"1+1="}
     ({"prompt": "2+3=", "answer": "6"}, "answer '6' is wrong: 2+3=5"),           # false fact
     ({"prompt": "two plus three", "answer": "5"}, "is not of the form"),         # not an arithmetic prompt
     ({"prompt": "1+1=", "answer": "2"}, "held-out split"),                       # would leak held-out truth
+    ({"prompt": "01+1=", "answer": "2"}, "is not of the form"),                  # not canonical: dodges held-out
+    ({"prompt": "1+1=\n", "answer": "2"}, "is not of the form"),                 # trailing newline, likewise
 ])
 def test_check_row(row, problem):
     found = ingest.check_row(ENV, row, HELDOUT)
@@ -70,7 +72,13 @@ def test_a_good_batch_becomes_a_dvc_version_and_a_bad_one_nothing(small_workspac
     assert sorted(p.name for p in incoming.iterdir()) == ["bad.jsonl", "good.jsonl"]
 
     (incoming / "bad.jsonl").unlink()
+    (ws / "notes.txt").write_text("the user's own staged work\n")
+    sh("git", "add", "notes.txt", cwd=ws)
     added = ingest.version_incoming(ws, ENV, HELDOUT, dvc=str(sh("which", "dvc", cwd=ws).stdout.strip()))
+    assert "notes.txt" not in sh("git", "show", "--stat", "HEAD", cwd=ws).stdout     # not swept into the data commit
+    assert "A  notes.txt" in sh("git", "status", "--short", cwd=ws).stdout          # still staged, as it was
+    sh("git", "reset", "-q", "notes.txt", cwd=ws)
+    (ws / "notes.txt").unlink()
     assert len(added) == 1 and added[0].endswith("-good.jsonl")
     assert int(_commits(ws)) == int(before) + 1 and not list(incoming.iterdir())
     assert (ws / (added[0] + ".dvc")).is_file()

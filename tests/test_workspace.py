@@ -34,7 +34,7 @@ def test_create_refuses_a_non_empty_folder_and_prepare_replaces_the_config(tmp_p
 def test_a_second_run_waits_for_the_lock_and_says_whom_it_waits_for(tmp_path):
     ws = make_workspace(tmp_path / "ws", SMALL)
     code = ("import sys; from posttrain import workspace\n"
-            "with workspace.lock(sys.argv[1], log=print):\n    print('got the lock', flush=True)\n")
+            "with workspace.lock(sys.argv[1], log=lambda m: print(m, flush=True)):\n    print('got the lock', flush=True)\n")
     with workspace.lock(ws, log=print):
         second = subprocess.Popen([sys.executable, "-c", code, str(ws)], stdout=subprocess.PIPE, text=True)
         first_line = second.stdout.readline()

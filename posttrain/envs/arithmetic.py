@@ -38,10 +38,10 @@ class ArithmeticEnv:
 
     def check_row(self, row: dict) -> str | None:
         """Why an incoming row is not a true `a op b=` fact, or None (posttrain.ingest)."""
-        match = _PROMPT.match(row["prompt"])
-        if not match:
+        match = _PROMPT.fullmatch(row["prompt"])
+        a, op, b = (int(match.group(1)), match.group(2), int(match.group(3))) if match else (0, "", 0)
+        if not match or row["prompt"] != f"{a}{op}{b}=":  # canonical, so the held-out check sees it
             return f"prompt {row['prompt']!r} is not of the form `<a><op><b>=` (op one of {''.join(_OPS)})"
-        a, op, b = int(match.group(1)), match.group(2), int(match.group(3))
         truth = str(_OPS[op](a, b))
         return None if row["answer"] == truth else f"answer {row['answer']!r} is wrong: {a}{op}{b}={truth}"
 
