@@ -39,9 +39,9 @@ def nightly(workdir: str = ".", cron: str = CRON, timezone: str = "UTC", name: s
     )
 
 
-def serve_nightly(workdir: str = ".", cron: str = CRON, timezone: str = "UTC", name: str = DEPLOYMENT) -> None:
-    """Register the deployment and run its runs here until stopped (Ctrl-C)."""
-    serve(nightly(workdir, cron, timezone, name), limit=1)
+def serve_nightly(deployment) -> None:
+    """Register `deployment` (see `nightly`) and run its runs here until stopped (Ctrl-C)."""
+    serve(deployment, limit=1)
 
 
 if __name__ == "__main__":

@@ -186,11 +186,11 @@ def serve_workspace(args) -> None:
         raise UserError(f"posttrain serve --timezone {args.timezone}", "unknown time zone",
                         "give an IANA name such as UTC or Europe/Berlin") from None
     try:
-        nightly(args.workdir, args.cron, args.timezone, args.name)
+        deployment = nightly(args.workdir, args.cron, args.timezone, args.name)
     except ValueError as err:
         raise UserError(f"posttrain serve --cron {args.cron!r}", str(err).splitlines()[0],
                         "give five cron fields, e.g. '0 3 * * *'") from None
-    serve_nightly(args.workdir, args.cron, args.timezone, args.name)
+    serve_nightly(deployment)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,13 +31,20 @@ def resolve(client, ref: str, model_name: str):
             raise UserError(f"posttrain compare {ref}", f"no version of registered model {model_name!r} has the "
                             f"alias {ref!r}", "pass a run id, or register and promote a model first") from None
         ref = version.run_id
-    if not _RUN_ID.match(ref):
-        raise UserError(f"posttrain compare {ref}", "not a run id or an alias", f"pass a 32-hex run id or one of {ALIASES}")
+    return get_run(client, ref, f"posttrain compare {ref}", f"pass a 32-hex run id or one of {ALIASES}",
+                   "not a run id or an alias")
+
+
+def get_run(client, run_id: str, where: str, fix: str, problem: str = "not a run id"):
+    """The run `run_id` names; UserError (at `where`) when it is malformed or unknown."""
+    from mlflow.exceptions import MlflowException
+
+    if not _RUN_ID.match(run_id):
+        raise UserError(where, problem, fix)
     try:
-        return client.get_run(ref)
+        return client.get_run(run_id)
     except MlflowException:
-        raise UserError(f"posttrain compare {ref}", "no such run in the tracking store",
-                        "check the run id and MLFLOW_TRACKING_URI") from None
+        raise UserError(where, "no such run in the tracking store", "check the run id and MLFLOW_TRACKING_URI") from None
 
 
 def differing_params(runs) -> dict[str, list]:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from posttrain.errors import UserError
-from posttrain.workspace import run_checked
+from posttrain.workspace import commit, run_checked
 
 INCOMING = "incoming"
 DATASETS = "datasets"
@@ -138,19 +138,13 @@ def version_incoming(workdir: str | Path, env, heldout: set[str], dvc: str = "dv
         rows = sum(len(r) for r in batches.values())
         message = f"data: {rows} rows from {', '.join(p.name for p in batches)} (posttrain ingest)"
         # only these paths: whatever else the user has staged stays out of the data commit
-        run_checked(["git", *_identity(workdir), "commit", "-q", "-m", message, "--", *paths], workdir)
+        commit(workdir, message, paths)
     except BaseException:
         _undo(workdir, written)
         raise
     for source in batches:
         os.remove(source)
     return names
-
-
-def _identity(workdir: Path) -> list[str]:
-    """A committer for machines (a scheduled worker) with no git identity configured."""
-    done = subprocess.run(["git", "config", "user.email"], cwd=workdir, capture_output=True, text=True)
-    return [] if done.stdout.strip() else ["-c", "user.name=posttrain", "-c", "user.email=posttrain@localhost"]
 
 
 def _undo(workdir: Path, written: list[Path]) -> None:

@@ -25,20 +25,14 @@ from posttrain.workspace import run_checked, stage_env, stage_metrics, stages, t
 # What a run reads besides the config file: its code, stage graph and versioned data.
 PIPELINE_INPUTS = ("dvc.yaml", "posttrain/", "configs/", "datasets/")
 WALL_CLOCK = re.compile(r"(seconds|per_second|latency|throughput|_ms$|_s$|ttft|tpot)")
-_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
 def recorded_run(client, run_id: str):
     """The retrain parent run `run_id`; UserError when the store holds no such run."""
-    from mlflow.exceptions import MlflowException
+    from posttrain.compare import get_run
 
     where = f"posttrain replay {run_id}"
-    if not _RUN_ID.match(run_id):
-        raise UserError(where, "not a run id", "pass the 32-hex id of a retrain run (see `mlflow ui`)")
-    try:
-        run = client.get_run(run_id)
-    except MlflowException:
-        raise UserError(where, "no such run in the tracking store", "check the run id and MLFLOW_TRACKING_URI") from None
+    run = get_run(client, run_id, where, "pass the 32-hex id of a retrain run (see `mlflow ui`)")
     if run.data.tags.get("posttrain.flow") != "retrain":
         raise UserError(where, "not a retrain run (a stage's child run?)", "pass the parent run's id")
     if run.info.status != "FINISHED":

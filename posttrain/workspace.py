@@ -54,6 +54,14 @@ def _git(*args, cwd: Path) -> None:
     run_checked(["git", *args], cwd)
 
 
+def commit(cwd: Path, message: str, paths: list[str] | None = None) -> None:
+    """`git commit` of what is staged (only `paths` when given), as the configured user,
+    else as `posttrain` (a scheduled worker may have no git identity)."""
+    configured = subprocess.run(["git", "config", "user.email"], cwd=cwd, capture_output=True, text=True)
+    identity = [] if configured.stdout.strip() else ["-c", "user.name=posttrain", "-c", "user.email=posttrain@localhost"]
+    run_checked(["git", *identity, "commit", "-q", "-m", message, *(["--", *paths] if paths else [])], cwd)
+
+
 def create(dest: str | Path, config: dict, *, remote: str | Path | None = None) -> Path:
     """A fresh workspace at `dest` running `config` (a resolved config dict).
 
@@ -76,8 +84,7 @@ def create(dest: str | Path, config: dict, *, remote: str | Path | None = None) 
                  ["remote", "add", "-d", "local", str(Path(remote or dest.parent / f"{dest.name}-remote").resolve())]):
         subprocess.run(dvc + args, cwd=dest, check=True, capture_output=True, text=True)
     _git("add", "-A", cwd=dest)
-    _git("-c", "user.email=posttrain@localhost", "-c", "user.name=posttrain", "commit", "-qm",
-         "posttrain workspace", cwd=dest)
+    commit(dest, "posttrain workspace")
     return dest
 
 
@@ -105,8 +112,7 @@ def prepare(workdir: str | Path, config: dict) -> Path:
     _git("add", "dvc.yaml", "posttrain", "configs", "datasets/README.md", cwd=workdir)
     staged = subprocess.run(["git", "diff", "--cached", "--quiet"], cwd=workdir)
     if staged.returncode:
-        _git("-c", "user.email=posttrain@localhost", "-c", "user.name=posttrain", "commit", "-qm",
-             "posttrain workspace: code and config updated", cwd=workdir)
+        commit(workdir, "posttrain workspace: code and config updated")
     return workdir
 
 

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -16,14 +15,9 @@ import uuid
 from pathlib import Path
 
 from conftest import BIN, CHILD_ENV_DROP
+from posttrain.loadtest import free_port
 
 POSTGRES = "postgres@127.0.0.1:5432"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager
