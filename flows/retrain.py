@@ -18,13 +18,19 @@ from prefect.artifacts import create_markdown_artifact
 
 from posttrain import registry, summary, workspace
 from posttrain.config import load_config
-from posttrain.io import PARAMS_FILE, final_model_dir, flatten_params, run_metrics
-from posttrain.tracking import dvc_lock_hashes, experiment_id, provenance, tracking_uri
+from posttrain.io import PARAMS_FILE, final_model_dir, flatten_params, read_json, run_metrics
+from posttrain.tracking import OUTCOMES_ARTIFACT, dvc_lock_hashes, experiment_id, provenance, tracking_uri
 from tasks.data import previous_result, version_data
 from tasks.dvc_stages import push_data, run_stage, stage_order
 
 
 MODELS = "artifacts/models"  # dvc.yaml's model folders
+
+
+def read_outcomes(workdir: str) -> dict | None:
+    """The evaluate stage's per-prompt outcomes (dvc.yaml's `reports/heldout_outcomes.json`)."""
+    path = Path(workdir) / OUTCOMES_ARTIFACT
+    return read_json(path) if path.is_file() else None
 
 
 def gate_tags(results: dict) -> dict[str, str]:
@@ -83,13 +89,16 @@ def run_pipeline(config, workdir: str, uri: str, logger) -> tuple[dict, str]:
         metrics = run_metrics(results)
         mlflow.log_metrics(metrics)
         mlflow.log_artifact(str(Path(workdir) / "dvc.lock"))
+        outcomes = read_outcomes(workdir)
+        if outcomes:  # what paired tests against this run read: promotion now, `posttrain compare` later
+            mlflow.log_dict(outcomes, OUTCOMES_ARTIFACT)
         logger.info(push_data(workdir))
         text = summary.render(results.get("evaluate", {}), results.get("serving", {}),
                               config.serving.gpu, parent.info.run_id, uri, exp)
-        text += "\n\nGates: " + (", ".join(f"{k.split('.', 1)[1]} {v}" for k, v in gates.items()) or "none")
+        text += "\n\n" + summary.gates_line(gates, results)
         if config.promotion.enabled:
             promotion = registry.promote(config, parent.info.run_id, final_model_dir(config, Path(workdir) / MODELS),
-                                         metrics, results.get("serving", {}))
+                                         metrics, results.get("serving", {}), outcomes)
             text += (f"\nModel registry: {config.promotion.model_name} version {promotion.version} "
                      f"is the {promotion.reason}")
     return results, text

@@ -24,10 +24,11 @@ OFFLINE_DEFAULTS = {
 # Path arguments of each stage command; dvc.yaml names the paths, the stage's main takes them.
 STAGE_ARGS = {
     "prepare": ["data_dir", "datasets_dir", "model_dir", "metrics_path"],
-    "sft": ["data_dir", "base_dir", "out_dir", "checkpoint_dir", "metrics_path"],
+    "sft": ["data_dir", "base_dir", "out_dir", "checkpoint_dir", "metrics_path", "curve_path"],
     "grpo": ["name", "data_dir", "init_dir", "out_dir", "checkpoint_dir", "metrics_path", "curve_path"],
     "serving": ["data_dir", "models_dir", "gpus_path", "report_path", "metrics_path", "plot_path"],
-    "evaluate": ["data_dir", "models_dir", "metrics_path", "accuracy_plot", "pass_at_k_plot", "pass_at_k_png"],
+    "evaluate": ["data_dir", "models_dir", "metrics_path", "outcomes_path", "accuracy_plot", "pass_at_k_plot",
+                 "pass_at_k_png"],
 }
 
 
@@ -68,10 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("runs", nargs="+", metavar="RUN", help="run ids, or the aliases champion / challenger")
     compare.add_argument("--out", default="compare.png", help="where the overlay plot (PNG) goes")
     compare.add_argument("--tracking-uri", help="default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here")
-    from posttrain.config import PromotionSection
+    from posttrain.config import PromotionSection, StatsSection
 
     compare.add_argument("--model-name", default=PromotionSection().model_name,
                          help="registered model the aliases refer to (promotion.model_name)")
+    compare.add_argument("--alpha", type=float, default=StatsSection().alpha,
+                         help="a delta is significant when its two-sided p-value is below this (stats.alpha)")
+    compare.add_argument("--resamples", type=int, default=StatsSection().bootstrap_resamples,
+                         help="bootstrap resamples for the pass@k tests (stats.bootstrap_resamples)")
     return parser
 
 
@@ -111,7 +116,11 @@ def dispatch(args) -> int:
 
         if len(args.runs) < 2:
             raise UserError("posttrain compare", "needs at least two runs", "pass two or more run ids or aliases")
-        print(compare(args.runs, out=args.out, tracking_uri=cli_tracking_uri(args), model_name=args.model_name))
+        if not 0 < args.alpha < 1 or args.resamples < 100:
+            raise UserError("posttrain compare", f"--alpha {args.alpha} / --resamples {args.resamples} out of range",
+                            "use 0 < alpha < 1 and at least 100 resamples")
+        print(compare(args.runs, out=args.out, tracking_uri=cli_tracking_uri(args), model_name=args.model_name,
+                      alpha=args.alpha, resamples=args.resamples))
     elif args.command == "replay":
         from posttrain.replay import replay
 

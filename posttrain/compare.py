@@ -2,17 +2,23 @@
 
 Each reference is a run id, or a Model Registry alias (`champion`, `challenger`) of the
 registered model, which names the run that produced that version. Printed: the params
-that differ, and a table of the runs' metrics with the delta of each against the first.
-The overlay plot (training reward per GRPO stage, held-out pass@k by k) is written as a
+that differ, and a table of the runs' metrics, each with its 95% interval where it has
+one, and the delta of each against the first marked `significant` or `within noise`
+(p < alpha or not). Held-out accuracies and pass@k are tested on the runs' per-prompt
+outcomes: paired (exact McNemar, paired bootstrap) on the prompts both runs evaluated,
+unpaired bootstrap when they share none. Other figures with an interval (the gates')
+are tested from the two intervals (a normal approximation, unpaired). The overlay plot (training reward per GRPO stage, held-out pass@k by k) is written as a
 PNG and logged as an artifact of a new `compare` run, so the comparison is itself
 recorded; the compared runs are never modified.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
+from posttrain import stats
 from posttrain.errors import UserError
 
 ALIASES = ("champion", "challenger")
@@ -54,26 +60,81 @@ def differing_params(runs) -> dict[str, list]:
 
 
 def metrics_table(runs, prefixes=("evaluate.", "sft.", "grpo.", "serving.max_concurrency")) -> dict[str, list]:
-    keys = sorted({k for r in runs for k in r.data.metrics if k.startswith(prefixes)})
+    """Metric -> each run's value; interval bounds and prompt counts are not rows of their
+    own (`interval` puts them beside their metric)."""
+    keys = sorted({k for r in runs for k in r.data.metrics
+                   if k.startswith(prefixes) and "_ci95" not in k and not k.endswith(".n_prompts")})
     return {k: [r.data.metrics.get(k) for r in runs] for k in keys}
 
 
-def render(refs: list[str], runs, params: dict, metrics: dict) -> str:
-    """Plain-text tables: params that differ, then metrics with deltas against the first run."""
+def interval_key(metric: str) -> str:
+    """Where a metric's interval is logged: `x.greedy_accuracy` -> `x.greedy_accuracy_ci95`,
+    `x.pass_at_k.8` -> `x.pass_at_k_ci95.8` (`.low` / `.high` appended)."""
+    head, dot, k = metric.rpartition(".")
+    return f"{head}_ci95.{k}" if head.endswith(".pass_at_k") and dot else f"{metric}_ci95"
+
+
+def interval(run, metric: str) -> list[float] | None:
+    key = interval_key(metric)
+    low, high = run.data.metrics.get(f"{key}.low"), run.data.metrics.get(f"{key}.high")
+    return None if low is None or high is None else [low, high]
+
+
+def test_delta(metric: str, runs, outcomes: list, first: int, other: int, *, resamples: int,
+               seed: int) -> stats.Test | None:
+    """The test of `runs[other]` against `runs[first]` on `metric`, None when it has no uncertainty."""
+    split = stats.split_metric(metric)
+    a, b = outcomes[first], outcomes[other]
+    if split and a and b and split[0] in a and split[0] in b:
+        return stats.compare(a[split[0]], b[split[0]], split[1], resamples=resamples, seed=seed)
+    ci_a, ci_b = interval(runs[first], metric), interval(runs[other], metric)
+    va, vb = runs[first].data.metrics.get(metric), runs[other].data.metrics.get(metric)
+    if ci_a is None or ci_b is None or va is None or vb is None:
+        return None
+    se = math.hypot(ci_a[1] - ci_a[0], ci_b[1] - ci_b[0]) / (2 * stats.Z95)
+    p = 1.0 if se == 0 and va == vb else 0.0 if se == 0 else math.erfc(abs(vb - va) / se / math.sqrt(2))
+    return stats.Test(vb - va, p, "normal approximation from the intervals", 0)
+
+
+def verdict(test: stats.Test | None, alpha: float) -> str:
+    if test is None:
+        return ""
+    word = "significant" if test.p_value < alpha else "within noise"
+    p = "p<0.001" if test.p_value < 0.001 else f"p={test.p_value:.3f}"
+    kind = "paired" if test.name in ("exact McNemar", "paired bootstrap") else "unpaired"
+    return f"{word} ({kind}, {p})"
+
+
+def render(refs: list[str], runs, params: dict, metrics: dict, *, outcomes: list | None = None,
+           alpha: float = 0.05, resamples: int = 2000, seed: int = 0) -> str:
+    """Plain-text tables: params that differ, then metrics with their 95% intervals and
+    deltas against the first run, each marked significant or within noise."""
+    outcomes = outcomes or [None] * len(runs)
     names = [f"{ref[:8]}" if ref == r.info.run_id else f"{ref} ({r.info.run_id[:8]})" for ref, r in zip(refs, runs)]
     width = max([len(k) for k in list(params) + list(metrics)] + [6])
     lines = ["params that differ:" if params else "params: identical"]
     for key, values in params.items():
-        lines.append(f"  {key:<{width}}  " + "  ".join(f"{str(v):>16}" for v in values))
-    header = f"  {'metric':<{width}}  " + "  ".join(f"{n:>16}" for n in names)
-    header += "".join(f"  {'d ' + n[:8]:>12}" for n in names[1:])
-    lines += ["", "metrics (d: run minus the first):", header]
+        lines.append(f"  {key:<{width}}  " + "  ".join(f"{str(v):>24}" for v in values))
+    header = f"  {'metric':<{width}}  " + "  ".join(f"{n:>24}" for n in names)
+    header += "".join(f"  {'d ' + n[:8]:>10}  {'':<28}" for n in names[1:])
+    lines += ["", f"metrics [95% interval] (d: run minus the first; significant: p < {alpha}):", header]
     for key, values in metrics.items():
-        cells = "  ".join(f"{v:>16.4f}" if v is not None else f"{'-':>16}" for v in values)
-        deltas = "".join(f"  {v - values[0]:>+12.4f}" if v is not None and values[0] is not None else f"  {'-':>12}"
-                         for v in values[1:])
-        lines.append(f"  {key:<{width}}  {cells}{deltas}")
+        cells = "  ".join(f"{cell(v, interval(r, key)):>24}" for v, r in zip(values, runs))
+        deltas = ""
+        for i, v in enumerate(values[1:], start=1):
+            if v is None or values[0] is None:
+                deltas += f"  {'-':>10}  {'':<28}"
+                continue
+            mark = verdict(test_delta(key, runs, outcomes, 0, i, resamples=resamples, seed=seed), alpha)
+            deltas += f"  {v - values[0]:>+10.4f}  {mark:<28}"
+        lines.append(f"  {key:<{width}}  {cells}{deltas}".rstrip())
     return "\n".join(lines)
+
+
+def cell(value, ci) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4f} [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else f"{value:.4f}"
 
 
 def reward_curves(client, run) -> dict[str, list[tuple[int, float]]]:
@@ -120,16 +181,21 @@ def plot(client, refs: list[str], runs, path: str) -> None:
     plt.close(fig)
 
 
-def compare(refs: list[str], *, out: str, model_name: str, tracking_uri: str | None = None) -> str:
+def compare(refs: list[str], *, out: str, model_name: str, tracking_uri: str | None = None,
+            alpha: float = 0.05, resamples: int = 2000) -> str:
     """Resolve, print-ready text, the PNG at `out`, and a `compare` run holding it."""
     import mlflow
     from mlflow import MlflowClient
+
+    from posttrain.tracking import run_outcomes
 
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
     client = MlflowClient()
     runs = [resolve(client, ref, model_name) for ref in refs]
-    text = render(refs, runs, differing_params(runs), metrics_table(runs))
+    outcomes = [run_outcomes(client, r.info.run_id) for r in runs]
+    text = render(refs, runs, differing_params(runs), metrics_table(runs), outcomes=outcomes, alpha=alpha,
+                  resamples=resamples)
     plot(client, refs, runs, out)
     with mlflow.start_run(experiment_id=runs[0].info.experiment_id, run_name="compare") as run:
         mlflow.set_tags({"posttrain.compare": ",".join(r.info.run_id for r in runs)})

@@ -51,8 +51,21 @@ class DataSection(Section):
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword options of the environment.")
 
 
+class StopWhen(Section):
+    """Stop the SFT warmup once the model reaches a target, measured while it trains on a
+    validation split carved from the training rows (never the held-out split). The `trl:`
+    block's epochs (or `max_steps`) are the cap. An epoch count lands on different points
+    of a steep learning curve on different CPUs; a target lands on the same one."""
+    greedy_accuracy: float = Field(..., gt=0, le=1, description="Stop once validation greedy accuracy reaches this.")
+    every_steps: int = Field(25, ge=1, description="Measure every this many optimizer steps.")
+    validation_size: int = Field(200, ge=10, description="Training rows set aside (by `seed`) to measure on; "
+                                                         "SFT trains on the rest.")
+
+
 class SFTSection(Section):
     trl: dict[str, Any] = Field(default_factory=dict, description="Passed to trl.SFTConfig unchanged.")
+    stop_when: StopWhen | None = Field(None, description="Stop on a validation target; null trains for the "
+                                                         "whole `trl:` schedule.")
 
 
 class PassRateFilter(Section):
@@ -79,10 +92,12 @@ class GRPOStage(Section):
 
 
 class GateSection(Section):
-    """After each GRPO stage the model is evaluated on the held-out split and accepted
-    only if greedy accuracy and pass@k are not below the previous accepted model's by
-    more than `tolerance`. A rejected stage outputs the previous model."""
-    tolerance: float = Field(0.02, ge=0, le=1, description="Largest allowed drop (absolute, 0..1).")
+    """After each GRPO stage the model is evaluated on the held-out split and rejected
+    when greedy accuracy or pass@k fell below the previous accepted model's by more than
+    `tolerance` and a paired test on the same prompts says the drop is not noise
+    (p < `stats.alpha`). A rejected stage outputs the previous model."""
+    tolerance: float = Field(0.02, ge=0, le=1, description="Largest drop (absolute, 0..1) that is never a "
+                                                           "regression, however significant.")
     k: int = Field(8, ge=1, description="The pass@k the gate compares; <= n_samples.")
     n_samples: int = Field(16, ge=1, description="Samples per held-out prompt for the gate's pass@k.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature for the gate's pass@k.")
@@ -151,12 +166,25 @@ class PromotionSection(Section):
     model_name: str = Field("posttrain", min_length=1, description="Registered model name.")
     metric: str = Field("evaluate.grpo.greedy_accuracy", description="Parent-run metric the champion is chosen by.")
     higher_is_better: bool = Field(True, description="Whether a larger `metric` is better.")
+    require_significance: bool = Field(True, description="Champion only when `metric` (an evaluate accuracy or "
+                                       "pass@k) beats the champion's beyond noise: a paired test on the same "
+                                       "held-out prompts with p < stats.alpha.")
 
 
 class TrackingSection(Section):
     uri: str | None = Field(None, description="MLflow tracking URI; null = sqlite:///mlflow.db in the workspace. "
                                               "MLFLOW_TRACKING_URI overrides it.")
     experiment: str = Field("posttrain", description="MLflow experiment name.")
+
+
+class StatsSection(Section):
+    """How sure a claim must be. Every reported accuracy and pass@k carries a 95%
+    interval (Wilson; percentile bootstrap over prompts); gates, promotion and
+    `posttrain compare` call a difference real only when its two-sided p-value on the
+    same held-out prompts is below `alpha` (exact McNemar; paired bootstrap)."""
+    alpha: float = Field(0.05, gt=0, lt=1, description="Significance level of the gate, promotion and compare.")
+    bootstrap_resamples: int = Field(2000, ge=100, le=100_000,
+                                     description="Bootstrap resamples (seeded by `seed`) for pass@k intervals and tests.")
 
 
 class OrchestrationSection(Section):
@@ -174,6 +202,7 @@ class PipelineConfig(Section):
     serving: ServingSection = ServingSection()
     evaluate: EvaluateSection = EvaluateSection()
     promotion: PromotionSection = PromotionSection()
+    stats: StatsSection = StatsSection()
     tracking: TrackingSection = TrackingSection()
     orchestration: OrchestrationSection = OrchestrationSection()
 
@@ -264,9 +293,15 @@ def _check_semantics(path: Path, config: PipelineConfig) -> None:
         raise UserError(f"{path}: evaluate.k", f"k={bad_k[0]} is outside 1..n_samples ({config.evaluate.n_samples})",
                         "use k values between 1 and evaluate.n_samples, or raise n_samples")
     try:
-        get_env(config.data.env, **config.data.options)
+        env = get_env(config.data.env, **config.data.options)
     except TypeError as err:
         raise UserError(f"{path}: data.options", str(err), "use the options the environment documents") from None
+    stop = config.sft.stop_when
+    if stop is not None:
+        train_rows = len(env.generate(config.seed)["train"])  # new data only adds to it
+        if stop.validation_size > train_rows // 2:
+            raise UserError(f"{path}: sft.stop_when.validation_size", f"{stop.validation_size} of the "
+                            f"{train_rows} training rows leaves too few to train on", f"use at most {train_rows // 2}")
     for stage_name, stage in config.grpo.items():
         for name in stage.rewards:
             if name not in REWARDS:

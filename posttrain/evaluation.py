@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from posttrain import stats
 from posttrain.generation import generate, load_policy
 from posttrain.metrics import mean_pass_at_k
 
@@ -62,36 +63,46 @@ def _sample_vllm(models, prompts, *, n, temperature, max_new_tokens, seed):
     return {name: (r["greedy"], r["sampled"]) for name, r in result.items()}
 
 
-def score(env, rows: list[dict], greedy: list[str], sampled: list[list[str]], *, ks: list[int],
-          channels: dict | None = None) -> tuple[dict, list[dict]]:
-    """`({"greedy_accuracy": a, "pass_at_k": {k: p}}, samples)` from a model's completions.
+def score(env, rows: list[dict], greedy: list[str], sampled: list[list[str]], *, ks: list[int], resamples: int,
+          seed: int, channels: dict | None = None) -> tuple[dict, list[dict]]:
+    """`(result, samples)` from a model's completions.
 
-    Each sample row holds the prompt, the greedy completion, the answer, every reward
-    channel in `channels` (name -> reward function) on that completion, the verifier's
-    verdict, and how many of the sampled completions were correct.
+    result: `greedy_accuracy`, `pass_at_k` (k -> value), `n_prompts`, and their 95%
+    intervals `greedy_accuracy_ci95` and `pass_at_k_ci95` (`posttrain.stats.intervals`).
+    samples: one row per prompt with the prompt, the greedy completion, the answer, every
+    reward channel in `channels` (name -> reward function) on that completion, the
+    verifier's verdict, and how many of the sampled completions were correct.
     """
     n = len(sampled[0]) if sampled else 0
     verdicts = [env.verify(g, r["answer"]) for g, r in zip(greedy, rows)]
     correct = [sum(env.verify(c, r["answer"]) for c in outs) for outs, r in zip(sampled, rows)]
-    result = {"greedy_accuracy": sum(verdicts) / len(rows),
-              "pass_at_k": {str(k): mean_pass_at_k(correct, n, k) for k in ks}}
     answers = [r["answer"] for r in rows]
     rewards = {name: fn(greedy, answer=answers) for name, fn in (channels or {}).items()}
     samples = [{"prompt": r["prompt"], "completion": g, "answer": r["answer"],
                 **{f"reward.{name}": values[i] for name, values in rewards.items()},
                 "correct": ok, "sampled_correct": c}
                for i, (g, r, ok, c) in enumerate(zip(greedy, rows, verdicts, correct))]
+    result = {"greedy_accuracy": sum(verdicts) / len(rows),
+              "pass_at_k": {str(k): mean_pass_at_k(correct, n, k) for k in ks},
+              **stats.intervals(outcomes(samples, n), ks, resamples=resamples, seed=seed)}
     return result, samples
 
 
+def outcomes(samples: list[dict], n: int) -> dict:
+    """The per-prompt record paired tests read (`posttrain.stats`): prompts, greedy
+    verdicts (0/1), correct samples per prompt, and samples per prompt."""
+    return {"prompts": [s["prompt"] for s in samples], "greedy": [int(s["correct"]) for s in samples],
+            "correct": [int(s["sampled_correct"]) for s in samples], "n": n}
+
+
 def evaluate_model(model_dir: str, env, rows: list[dict], *, n_samples: int, temperature: float,
-                   ks: list[int], max_new_tokens: int, seed: int, backend: str = "transformers",
+                   ks: list[int], max_new_tokens: int, seed: int, resamples: int, backend: str = "transformers",
                    channels: dict | None = None) -> tuple[dict, list[dict]]:
     """One model's held-out evaluation (see `score`)."""
     (greedy, sampled), = sample_models({"model": model_dir}, [r["prompt"] for r in rows], backend=backend,
                                        n=n_samples, temperature=temperature, max_new_tokens=max_new_tokens,
                                        seed=seed).values()
-    return score(env, rows, greedy, sampled, ks=ks, channels=channels)
+    return score(env, rows, greedy, sampled, ks=ks, channels=channels, resamples=resamples, seed=seed)
 
 
 def pass_rates(model_dir: str, env, rows: list[dict], *, samples: int, temperature: float,

@@ -46,15 +46,22 @@ def resolve_model_dir(model_dir: str | Path) -> str:
 
 
 def flatten(metrics: dict, prefix: str = "") -> dict[str, float]:
-    """`{"a": {"b": 1}}` -> `{"a.b": 1.0}`: nested metrics as MLflow metric names."""
+    """`{"a": {"b": 1}}` -> `{"a.b": 1.0}`: nested metrics as MLflow metric names. An
+    interval `[low, high]` becomes `name.low` and `name.high`; other lists are left out."""
     flat = {}
     for key, value in metrics.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
             flat.update(flatten(value, f"{name}."))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        elif isinstance(value, list) and len(value) == 2 and all(_is_number(v) for v in value):
+            flat[f"{name}.low"], flat[f"{name}.high"] = float(value[0]), float(value[1])
+        elif _is_number(value):
             flat[name] = float(value)
     return flat
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def run_metrics(results: dict[str, dict]) -> dict[str, float]:

@@ -3,13 +3,19 @@
 The accepted final model is logged to the parent run (`model/`) and registered as a new
 version of `promotion.model_name`. It takes the alias `champion` only if it meets the
 serving target and beats the current champion on `promotion.metric` (a metric of the
-parent run, e.g. `evaluate.grpo.greedy_accuracy`); otherwise `challenger`. The decision
-and its reason go to the version's and the run's tags.
+parent run, e.g. `evaluate.grpo.greedy_accuracy`); otherwise `challenger`. With
+`require_significance`, beating means beyond noise: a paired test of the two runs'
+per-prompt held-out outcomes (artifact `reports/heldout_outcomes.json` of each parent
+run) gives p < `stats.alpha`. The decision and its reason, naming the test and its
+p-value, go to the version's and the run's tags.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from posttrain import stats
+from posttrain.tracking import OUTCOMES_ARTIFACT, run_outcomes
 
 
 class Promotion(NamedTuple):
@@ -19,21 +25,52 @@ class Promotion(NamedTuple):
 
 
 def decide(metric: str, value: float, champion: tuple[str, float] | None, *, higher_is_better: bool,
-           serving_ok: bool) -> tuple[str, str]:
-    """(alias, reason) for a new version scoring `value`; champion: (version, its value) or None."""
+           serving_ok: bool, test: stats.Test | None = None, alpha: float = 0.05,
+           untested: str | None = None) -> tuple[str, str]:
+    """(alias, reason) for a new version scoring `value`; champion: (version, its value) or None.
+
+    test: the paired test of this version against the champion (None: decide on the
+    values alone; `untested` then says why, when significance was asked for).
+    """
     if not serving_ok:
         return "challenger", "challenger: the serving target is not met"
     if champion is None:
         return "champion", f"champion: first version with {metric} = {value:.4f} (no champion yet)"
     version, best = champion
     better = value > best if higher_is_better else value < best
+    against = f"{metric} {value:.4f} {{}} the champion's {best:.4f} (version {version})"
+    if test is not None:
+        real = better and test.p_value < alpha
+        verb = "beats" if real else "does not beat" if not better else "is not beyond noise of"
+        noise = f"{'beyond' if real else 'within'} noise" if better else "not better"
+        return ("champion" if real else "challenger"), \
+            f"{'champion' if real else 'challenger'}: {against.format(verb)}; {noise}: {test.describe()}, alpha {alpha}"
+    note = f" (no significance test: {untested})" if untested else ""
     verb = "beats" if better else "does not beat"
     return ("champion" if better else "challenger"), \
-        f"{'champion' if better else 'challenger'}: {metric} {value:.4f} {verb} the champion's {best:.4f} (version {version})"
+        f"{'champion' if better else 'challenger'}: {against.format(verb)}{note}"
 
 
-def promote(config, run_id: str, model_dir: str, metrics: dict[str, float], serving: dict) -> Promotion:
-    """Log, register and alias the final model; call inside the parent run."""
+def significance(settings, stats_settings, outcomes: dict | None, champion_outcomes: dict | None,
+                 seed: int) -> tuple[stats.Test | None, str | None]:
+    """(the paired test of this run against the champion on `settings.metric`, or None
+    and why not). Only evaluate accuracies and pass@k have per-prompt outcomes."""
+    if not settings.require_significance:
+        return None, None
+    split = stats.split_metric(settings.metric)
+    if split is None:
+        return None, f"{settings.metric} has no per-prompt outcomes"
+    model, figure = split
+    if not outcomes or model not in outcomes or not champion_outcomes or model not in champion_outcomes:
+        return None, f"a run lacks {OUTCOMES_ARTIFACT} for model {model!r}"
+    return stats.compare(champion_outcomes[model], outcomes[model], figure,
+                         resamples=stats_settings.bootstrap_resamples, seed=seed), None
+
+
+def promote(config, run_id: str, model_dir: str, metrics: dict[str, float], serving: dict,
+            outcomes: dict | None = None) -> Promotion:
+    """Log, register and alias the final model; call inside the parent run.
+    outcomes: this run's per-prompt held-out outcomes (model -> outcomes)."""
     import mlflow
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
@@ -42,16 +79,20 @@ def promote(config, run_id: str, model_dir: str, metrics: dict[str, float], serv
     client = MlflowClient()
     if settings.metric not in metrics:
         raise KeyError(f"promotion.metric {settings.metric!r} is not a metric of this run")
-    champion = None
+    champion, test, untested = None, None, None
     try:
         current = client.get_model_version_by_alias(settings.model_name, "champion")
         best = client.get_run(current.run_id).data.metrics.get(settings.metric)
         champion = (current.version, best) if best is not None else None
     except MlflowException:
         pass  # no registered model or no champion yet
+    if champion is not None:
+        test, untested = significance(settings, config.stats, outcomes, run_outcomes(client, current.run_id),
+                                      config.seed)
     serving_ok = serving.get("slo_sessions", 1.0) >= serving.get("slo_min_sessions", 0.0)
     alias, reason = decide(settings.metric, metrics[settings.metric], champion,
-                           higher_is_better=settings.higher_is_better, serving_ok=serving_ok)
+                           higher_is_better=settings.higher_is_better, serving_ok=serving_ok, test=test,
+                           alpha=config.stats.alpha, untested=untested)
     mlflow.log_artifacts(model_dir, "model")
     try:
         client.create_registered_model(settings.model_name)

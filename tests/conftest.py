@@ -22,7 +22,9 @@ SMALL = {
     "model": {"tiny": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
                        "intermediate_size": 64, "max_positions": 32}},
     "data": {"options": {"operand_max": 9, "heldout_size": 20}},
-    "sft": {"trl": {"num_train_epochs": 2, "per_device_train_batch_size": 16, "logging_steps": 2}},
+    # a target the 2-epoch warmup never reaches: the whole schedule runs, the curve is measured
+    "sft": {"trl": {"num_train_epochs": 2, "per_device_train_batch_size": 16, "logging_steps": 2},
+            "stop_when": {"greedy_accuracy": 0.95, "every_steps": 2, "validation_size": 10}},
     "grpo": {"dense": {"from": "sft", "rewards": {"correctness": 1.0, "digits": 0.5},
                        "guardrails": ["unparseable"], "pass_rate_filter": {"samples": 4},
                        "trl": {"max_steps": 4, "per_device_train_batch_size": 8, "num_generations": 4,
@@ -33,6 +35,7 @@ SMALL = {
     "serving": {"vllm_check": {"enabled": False}, "load_test": {"enabled": False}},
     "gate": {"n_samples": 4, "k": 4, "tolerance": 1.0},
     "orchestration": {"retries": 0},
+    "stats": {"bootstrap_resamples": 200},
 }
 
 

@@ -82,3 +82,49 @@ def test_needs_two_runs(store):
     uri, a, _, tmp = store
     done = compare(uri, a, cwd=tmp)
     assert done.returncode == 2 and "at least two runs" in done.stderr
+
+
+def run_with_outcomes(greedy: list[int], correct: list[int], n: int = 16) -> str:
+    """A parent run as the flow leaves it: evaluate figures, their intervals, and the
+    per-prompt outcomes artifact the paired tests read."""
+    from posttrain.io import flatten
+    from posttrain.stats import intervals
+    from posttrain.tracking import OUTCOMES_ARTIFACT
+
+    record = {"prompts": [f"{i // 50}+{i % 50}=" for i in range(len(greedy))], "greedy": greedy,
+              "correct": correct, "n": n}
+    from posttrain.metrics import mean_pass_at_k
+
+    report = {"greedy_accuracy": sum(greedy) / len(greedy), "pass_at_k": {"8": mean_pass_at_k(correct, n, 8)},
+              **intervals(record, [8], resamples=500, seed=0)}
+    with mlflow.start_run(run_name="retrain") as run:
+        mlflow.log_metrics(flatten({"evaluate": {"grpo": report}}))
+        mlflow.log_dict({"grpo": record}, OUTCOMES_ARTIFACT)
+    return run.info.run_id
+
+
+def test_marks_each_delta_within_noise_or_significant(tmp_path):
+    import numpy as np
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment("posttrain")
+    rng = np.random.default_rng(0)
+    greedy = (rng.uniform(size=500) < 0.7).astype(int)
+    correct = rng.binomial(16, 0.5, size=500)
+    worse = greedy.copy()
+    worse[np.flatnonzero(greedy)[:50]] = 0                          # 10 points worse on the same 500 prompts
+    a = run_with_outcomes(greedy.tolist(), correct.tolist())
+    same = run_with_outcomes(greedy.tolist(), correct.tolist())
+    b = run_with_outcomes(worse.tolist(), np.maximum(correct - 4, 0).tolist())
+    mlflow.end_run()
+    done = compare(uri, a, same, b, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if "evaluate.grpo.greedy_accuracy" in line)
+    # the first run's figure with its Wilson interval, then a delta per other run with its verdict
+    assert f"{greedy.mean():.4f} [" in row
+    assert "+0.0000  within noise (paired, p=1.000)" in row
+    assert "-0.1000  significant (paired, p<0.001)" in row
+    row = next(line for line in done.stdout.splitlines() if "evaluate.grpo.pass_at_k.8" in line)
+    assert "within noise (paired" in row and "significant (paired, p<0.001)" in row
+    assert not any("_ci95" in line for line in done.stdout.splitlines())   # intervals sit beside their figure

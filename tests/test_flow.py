@@ -62,6 +62,7 @@ def test_second_run_reruns_only_what_changed(flow_runs):
     assert cached == {"prepare": True, "sft": True, "grpo@dense": True, "serving": True, "evaluate": False}
     assert children.loc["evaluate", "metrics.grpo.greedy_accuracy"] >= 0
     assert "| model | greedy accuracy |" in second.stdout and "#/experiments/" in second.stdout
+    assert "each figure with its 95% interval" in second.stdout and "Held-out evaluation on 20 prompts" in second.stdout
 
 
 def test_data_and_models_are_pushed_to_the_local_remote(flow_runs):
@@ -77,6 +78,10 @@ def test_first_run_is_champion_and_an_equal_second_is_challenger(flow_runs):
     assert list(parents["tags.posttrain.promotion"]) == ["champion", "challenger"]
     assert "no champion yet" in parents["tags.posttrain.promotion_reason"].iloc[0]
     assert "does not beat the champion's" in parents["tags.posttrain.promotion_reason"].iloc[1]
+    # require_significance: the same model on the same held-out prompts, tested pair by pair
+    assert "exact McNemar p=1.000, 20 prompts" in parents["tags.posttrain.promotion_reason"].iloc[1]
+    assert "reports/heldout_outcomes.json" in {f.path for f in client.list_artifacts(parents["run_id"].iloc[1],
+                                                                                       "reports")}
     champion = client.get_model_version_by_alias("posttrain", "champion")
     challenger = client.get_model_version_by_alias("posttrain", "challenger")
     assert (str(champion.version), str(challenger.version)) == ("1", "2")

@@ -19,8 +19,10 @@ pytestmark = pytest.mark.slow
 LEARNED = {**SMALL,
            "model": {"tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
                               "intermediate_size": 128, "max_positions": 32}},
+           # 60 epochs is the cap: the warmup stops once 16 validation rows reach 60% greedy
            "sft": {"trl": {"num_train_epochs": 60, "per_device_train_batch_size": 16, "learning_rate": 3e-3,
-                           "logging_steps": 50}},
+                           "logging_steps": 50},
+                   "stop_when": {"greedy_accuracy": 0.6, "every_steps": 10, "validation_size": 16}},
            "gate": {"n_samples": 4, "k": 4, "tolerance": 0.0}}
 
 
@@ -88,9 +90,13 @@ def learned_workspace(tmp_path_factory):
     return ws
 
 
-def test_the_sft_warmup_learned_something(learned_workspace):
+def test_the_sft_warmup_stops_on_its_target(learned_workspace):
     sft = json.loads((learned_workspace / "metrics" / "sft.json").read_text())
     assert sft["greedy_accuracy"] >= 0.2, sft
+    # 64 rows / 16 a batch = 4 steps an epoch: the cap is 240 steps
+    curve = json.loads((learned_workspace / "plots" / "sft_validation.json").read_text())
+    assert sft["stop_target_reached"] == 1.0 and sft["stopped_at_step"] == curve[-1]["step"] < 240
+    assert curve[-1]["greedy_accuracy"] >= 0.6 > max(p["greedy_accuracy"] for p in curve[:-1])
 
 
 def test_gate_rejects_a_harmful_stage_and_keeps_the_previous_model(learned_workspace):
@@ -120,7 +126,7 @@ def test_gate_rejects_a_harmful_stage_and_keeps_the_previous_model(learned_works
 
 
 def test_killed_stage_resumes_from_its_checkpoint(tmp_path):
-    overrides = {**LEARNED, "sft": {"trl": {**LEARNED["sft"]["trl"], "num_train_epochs": 30}},
+    overrides = {**LEARNED, "sft": {**LEARNED["sft"], "trl": {**LEARNED["sft"]["trl"], "num_train_epochs": 30}},
                  "grpo": {"dense": {"from": "sft", "pass_rate_filter": {"enabled": False},
                                     "trl": {"max_steps": 120, "save_steps": 10, "logging_steps": 10,
                                             "per_device_train_batch_size": 8, "num_generations": 4}}}}

@@ -28,6 +28,15 @@ def test_every_stage_writes_its_metrics(reproduced):
     for result in report.values():
         assert 0 <= result["greedy_accuracy"] <= 1 and set(result["pass_at_k"]) == {"1", "4"}
         assert result["pass_at_k"]["1"] <= result["pass_at_k"]["4"]
+        # every figure with its 95% interval, on the 20 held-out prompts
+        low, high = result["greedy_accuracy_ci95"]
+        assert result["n_prompts"] == 20 and low <= result["greedy_accuracy"] <= high and high - low > 0.1
+        assert set(result["pass_at_k_ci95"]) == {"1", "4"}
+        assert all(lo <= result["pass_at_k"][k] <= hi for k, (lo, hi) in result["pass_at_k_ci95"].items())
+    outcomes = json.loads((reproduced / "reports" / "heldout_outcomes.json").read_text())
+    assert list(outcomes) == list(report) and len(outcomes["sft"]["prompts"]) == 20 and outcomes["sft"]["n"] == 4
+    gate = json.loads((reproduced / "metrics" / "grpo" / "dense.json").read_text())
+    assert {"gate_p_greedy_accuracy", "gate_p_pass_at_4", "candidate_greedy_accuracy_ci95"} <= set(gate)
     assert json.loads((reproduced / "metrics" / "serving.json").read_text())["kv_bytes_per_token"] == 2 * 2 * 16 * 2
 
 
@@ -54,3 +63,18 @@ def test_each_stage_logs_a_run_with_trl_curves(reproduced):
 def test_dvc_plots_render(reproduced):
     sh("dvc", "plots", "show", "--json", cwd=reproduced)
 
+
+
+def test_sft_measures_its_validation_curve(reproduced):
+    """`sft.stop_when` with a target the short warmup never reaches: the whole schedule
+    runs (10 steps), measured every 2 steps on 10 rows carved out of the 80 training rows."""
+    sft = json.loads((reproduced / "metrics" / "sft.json").read_text())
+    assert sft["stopped_at_step"] == sft["steps"] == 10 and sft["stop_target_reached"] == 0.0
+    curve = json.loads((reproduced / "plots" / "sft_validation.json").read_text())
+    assert [p["step"] for p in curve] == [2, 4, 6, 8, 10]
+    assert sft["validation_greedy_accuracy"] == curve[-1]["greedy_accuracy"]
+    mlflow.set_tracking_uri(f"sqlite:///{reproduced / 'mlflow.db'}")
+    run = mlflow.search_runs(search_all_experiments=True, filter_string="tags.`posttrain.stage` = 'sft'").iloc[0]
+    history = mlflow.MlflowClient().get_metric_history(run.run_id, "validation_greedy_accuracy")
+    assert sorted(m.step for m in history) == [2, 4, 6, 8, 10]
+    assert run["metrics.stage.greedy_accuracy_ci95.high"] >= run["metrics.stage.greedy_accuracy"]

@@ -1,9 +1,12 @@
 """Stage `evaluate`: base, SFT and every GRPO stage's model on the held-out split.
 
-`metrics/evaluate.json` holds, per model, `greedy_accuracy` and `pass_at_k` (k -> value):
-`base`, `sft`, `grpo.<stage>` for each GRPO stage, and `grpo` for the final model. Each
-model also gets a samples table in MLflow (prompt, completion, every reward channel,
-verdict), and one pass@k-versus-k plot has a line per model (PNG and DVC plot data).
+`metrics/evaluate.json` holds, per model, `greedy_accuracy` and `pass_at_k` (k -> value),
+`n_prompts`, and the 95% intervals `greedy_accuracy_ci95` (Wilson) and `pass_at_k_ci95`
+(k -> bootstrap over prompts): `base`, `sft`, `grpo.<stage>` for each GRPO stage, and
+`grpo` for the final model. The per-prompt outcomes behind them (`outcomes_path`) are
+what paired tests against another run read (promotion, `posttrain compare`). Each model
+also gets a samples table in MLflow (prompt, completion, every reward channel, verdict),
+and one pass@k-versus-k plot has a line per model (PNG and DVC plot data).
 """
 
 from __future__ import annotations
@@ -13,13 +16,13 @@ from pathlib import Path
 import mlflow
 
 from posttrain.envs import get_env
-from posttrain.evaluation import resolve_backend, sample_models, score
+from posttrain.evaluation import outcomes, resolve_backend, sample_models, score
 from posttrain.io import flatten, model_dirs, read_jsonl, write_json
 from posttrain.rewards import REWARDS
 from posttrain.tracking import stage_run
 
 
-def main(config, *, data_dir: str, models_dir: str, metrics_path: str,
+def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_path: str,
          accuracy_plot: str, pass_at_k_plot: str, pass_at_k_png: str) -> dict:
     settings = config.evaluate
     with stage_run(config, "evaluate"):
@@ -30,13 +33,17 @@ def main(config, *, data_dir: str, models_dir: str, metrics_path: str,
                                     n=settings.n_samples, temperature=settings.temperature,
                                     max_new_tokens=settings.max_new_tokens, seed=config.seed)
         channels = {name: REWARDS[name].make(env) for name in reward_channels(config)}
-        report = {}
+        report, per_prompt = {}, {}
         for name, (greedy, sampled) in completions.items():
-            report[name], samples = score(env, rows, greedy, sampled, ks=settings.k, channels=channels)
+            report[name], samples = score(env, rows, greedy, sampled, ks=settings.k, channels=channels,
+                                          resamples=config.stats.bootstrap_resamples, seed=config.seed)
+            per_prompt[name] = outcomes(samples, settings.n_samples)
             mlflow.log_table({key: [s[key] for s in samples] for key in samples[0]},
                              artifact_file=f"samples/{name}.json")
         curves = dict(report)
-        report["grpo"] = report[f"grpo.{list(config.grpo)[-1]}"]
+        final = f"grpo.{list(config.grpo)[-1]}"
+        report["grpo"], per_prompt["grpo"] = report[final], per_prompt[final]
+        write_json(outcomes_path, per_prompt)
         mlflow.log_params({"heldout_prompts": len(rows), "n_samples": settings.n_samples,
                            "temperature": settings.temperature, "sampling_backend": backend})
         mlflow.log_metrics(flatten(report))

@@ -18,10 +18,10 @@ from posttrain.config import build_trl_config, grpo_trl_options
 from posttrain.envs import get_env
 from posttrain.evaluation import pass_rates
 from posttrain.gate import decide, reward_trend
-from posttrain.io import read_jsonl, write_json
+from posttrain.io import flatten, read_jsonl, write_json
 from posttrain.rewards import build_rewards
 from posttrain.tracking import stage_run
-from posttrain.training import gate_evaluation, read_card, train, write_card
+from posttrain.training import gate_evaluation, gate_figures, read_card, train, write_card
 
 ZERO_STD_WARNING = 0.5
 
@@ -40,16 +40,18 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
         metrics.update(train_metrics)
         candidate = gate_evaluation(out_dir, env, config, data_dir)
         decision = decide(previous["eval"], candidate, k=config.gate.k, tolerance=config.gate.tolerance,
+                          alpha=config.stats.alpha, resamples=config.stats.bootstrap_resamples, seed=config.seed,
                           reward=reward_trend([point["reward"] for point in curve]), base=previous.get("base"))
-        card = {"stage": name, "eval": candidate, "base": previous.get("base")}
+        verdict = {"accepted": decision.accepted, "reason": decision.reason, "p_values": decision.p_values}
+        card = {"stage": name, "eval": candidate, "base": previous.get("base"), "gate": verdict}
         if not decision.accepted:
             shutil.rmtree(out_dir)
             shutil.copytree(init_dir, out_dir)
             stop = name if config.gate.on_reject == "stop" else None
-            card = {**previous, "rejected": name, "stopped_at": stop}
+            card = {**previous, "rejected": name, "stopped_at": stop, "gate": verdict}
         write_card(out_dir, card)
         checkpoints.clear(checkpoint_dir)
-        metrics.update(gate_metrics(candidate, decision.accepted, config.gate.k))
+        metrics.update(gate_metrics(candidate, decision, config.gate.k))
         record(name, metrics, decision, curve, metrics_path, curve_path)
     return metrics
 
@@ -106,14 +108,16 @@ def run_trainer(config, name, env, rows, init_dir, out_dir, run_dir) -> tuple[li
                    "frac_reward_zero_std_last": zero_std[-1]}
 
 
-def gate_metrics(candidate: dict, accepted: bool, k: int) -> dict:
-    return {"candidate_greedy_accuracy": candidate["greedy_accuracy"],
-            f"candidate_pass_at_{k}": candidate["pass_at_k"][str(k)], "accepted": float(accepted)}
+def gate_metrics(candidate: dict, decision, k: int) -> dict:
+    """The candidate's figures with their intervals, the verdict, and the p-values of the
+    paired tests against the previous model (`gate_p_<figure>`)."""
+    return {**gate_figures(candidate, k, prefix="candidate_"), "accepted": float(decision.accepted),
+            **{f"gate_p_{name}": p for name, p in decision.p_values.items()}}
 
 
 def record(name, metrics, decision, curve, metrics_path, curve_path) -> None:
     """Metrics to MLflow and metrics/, the gate's verdict as tags, loud warnings."""
-    mlflow.log_metrics({f"stage.{k}": v for k, v in metrics.items()})
+    mlflow.log_metrics({f"stage.{k}": v for k, v in flatten(metrics).items()})
     tags = {"posttrain.gate": "accepted" if decision.accepted else "rejected", "posttrain.gate_reason": decision.reason}
     if metrics.get("frac_reward_zero_std_mean", 0.0) > ZERO_STD_WARNING:
         warning = (f"stage {name}: {metrics['frac_reward_zero_std_mean']:.0%} of groups had zero reward variance "

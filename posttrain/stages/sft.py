@@ -2,11 +2,16 @@
 
 The `sft.trl` block goes into `SFTConfig` unchanged; posttrain sets only the output
 folder (checkpoints outside the DVC output, so a rerun can resume) and MLflow logging.
-The warmed-up model is evaluated on the held-out split: the first GRPO gate's baseline.
+With `sft.stop_when`, training stops once greedy accuracy on a validation split carved
+from the training rows reaches the target (`posttrain.stopping`); the validation curve
+goes to MLflow (`validation_greedy_accuracy` by step) and to `curve_path`, the step it
+stopped at to the metrics. The warmed-up model is evaluated on the held-out split: the
+first GRPO gate's baseline.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import mlflow
@@ -15,42 +20,74 @@ from posttrain import checkpoints
 from posttrain.config import build_trl_config
 from posttrain.envs import get_env
 from posttrain.evaluation import check_format_contract
-from posttrain.io import read_jsonl, resolve_model_dir, write_json
+from posttrain.io import flatten, read_jsonl, resolve_model_dir, write_json
+from posttrain.stopping import StopOnTarget, carve_validation, validation_curve
 from posttrain.tracking import stage_run
-from posttrain.training import gate_evaluation, train, write_card
+from posttrain.training import gate_evaluation, gate_figures, train, write_card
 
 
 def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: str,
-         metrics_path: str) -> dict[str, float]:
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-    from trl import SFTConfig, SFTTrainer
-
+         metrics_path: str, curve_path: str) -> dict[str, float]:
     env = get_env(config.data.env, **config.data.options)
     train_path = Path(data_dir) / "train.jsonl"
     rows = read_jsonl(train_path)
     contract = check_format_contract(env, rows, where=str(train_path))  # before any run or compute
+    rows, validation = split_validation(config, rows)
     with stage_run(config, "sft"):
-        dataset = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in rows])
         base = resolve_model_dir(base_dir)
-        run_dir = checkpoints.run_dir(checkpoint_dir, [config.seed, config.sft.trl], [Path(data_dir), base])
-        args = build_trl_config("sft.trl", SFTConfig, {"seed": config.seed, **config.sft.trl},
-                                output_dir=run_dir, report_to=["mlflow"], run_name="sft")
-        trainer = SFTTrainer(model=base, args=args, train_dataset=dataset,
-                             processing_class=AutoTokenizer.from_pretrained(base))
-        seconds, resumed = train(trainer, run_dir)
+        run_dir = checkpoints.run_dir(checkpoint_dir, [config.seed, config.sft.model_dump()], [Path(data_dir), base])
+        trainer, seconds, resumed = run_trainer(config, env, rows, validation, base, run_dir)
         trainer.save_model(out_dir)
         checkpoints.clear(checkpoint_dir)
         evaluation = gate_evaluation(out_dir, env, config, data_dir)
         # the base model's score: the floor the reward-hacking sentinel holds every later stage to
         write_card(out_dir, {"stage": "sft", "eval": evaluation, "base": gate_evaluation(base, env, config, data_dir)})
-        k = config.gate.k
+        curve = validation_curve(trainer.state.log_history)
         metrics = {"train_seconds": seconds, "steps": float(trainer.state.global_step),
                    "resumed_from_step": float(resumed),
                    "train_loss": next((e["train_loss"] for e in reversed(trainer.state.log_history)
                                        if "train_loss" in e), 0.0),
-                   "format_contract": contract, "greedy_accuracy": evaluation["greedy_accuracy"],
-                   f"pass_at_{k}": evaluation["pass_at_k"][str(k)]}
-        mlflow.log_metrics({f"stage.{k}": v for k, v in metrics.items()})
+                   "format_contract": contract, **stop_metrics(config, curve, trainer.state.global_step),
+                   **gate_figures(evaluation, config.gate.k)}
+        mlflow.log_metrics({f"stage.{k}": v for k, v in flatten(metrics).items()})
         write_json(metrics_path, metrics)
+        write_json(curve_path, curve)
     return metrics
+
+
+def split_validation(config, rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(rows SFT trains on, validation rows `stop_when` measures on; [] without it).
+    The config check made sure the split leaves at least half the rows to train on."""
+    stop = config.sft.stop_when
+    return (rows, []) if stop is None else carve_validation(rows, stop.validation_size, config.seed)
+
+
+def run_trainer(config, env, rows, validation, base: str, run_dir: str):
+    """(trainer, wall seconds of train(), the step it resumed from), trained with TRL."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer, Trainer
+    from trl import SFTConfig, SFTTrainer
+
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in rows])
+    args = build_trl_config("sft.trl", SFTConfig, {"seed": config.seed, **config.sft.trl},
+                            output_dir=run_dir, report_to=["mlflow"], run_name="sft")
+    trainer = SFTTrainer(model=base, args=args, train_dataset=dataset,
+                         processing_class=AutoTokenizer.from_pretrained(base))
+    stop = config.sft.stop_when
+    if stop is not None:
+        # Trainer.log, not SFTTrainer.log: TRL's override would take the token-accuracy averages it logs next
+        trainer.add_callback(StopOnTarget(env, validation, target=stop.greedy_accuracy, every_steps=stop.every_steps,
+                                          max_new_tokens=config.evaluate.max_new_tokens,
+                                          log=functools.partial(Trainer.log, trainer)))
+    seconds, resumed = train(trainer, run_dir)
+    return trainer, seconds, resumed
+
+
+def stop_metrics(config, curve: list[dict], steps: int) -> dict[str, float]:
+    """Where `stop_when` stopped: the step, whether the target was reached, the last value."""
+    stop = config.sft.stop_when
+    if stop is None:
+        return {}
+    last = curve[-1]["greedy_accuracy"] if curve else 0.0
+    return {"stopped_at_step": float(steps), "stop_target_reached": float(last >= stop.greedy_accuracy),
+            "validation_greedy_accuracy": last, "validation_rows": float(stop.validation_size)}
