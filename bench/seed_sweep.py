@@ -12,12 +12,15 @@ split, the model's init, TRL's sampling and the evaluation's sampling.
 
 A seed whose workspace already finished is read, not rerun, so a stopped sweep resumes.
 The table goes to stdout and, with the raw numbers, to `<root>/seed_sweep.{md,json}`.
+All seeds log to one MLflow store (`<root>/mlflow.db`, or `--tracking-uri`), so any two
+can be put side by side: `posttrain compare RUN_A RUN_B --tracking-uri sqlite:///<root>/mlflow.db`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -35,8 +38,8 @@ K = 8
 BAND, GAIN, GRPO_SECONDS = (0.2, 0.7), 0.15, 480.0  # issue 11's acceptance
 
 
-def run_seed(root: Path, config: dict, seed: int) -> Path:
-    """The workspace of `seed`, its pipeline run to the end (`posttrain run`)."""
+def run_seed(root: Path, config: dict, seed: int, uri: str) -> Path:
+    """The workspace of `seed`, its pipeline run to the end (`posttrain run`, logging to `uri`)."""
     ws = root / f"seed{seed}"
     if (ws / "metrics" / "evaluate.json").is_file():
         return ws
@@ -47,36 +50,38 @@ def run_seed(root: Path, config: dict, seed: int) -> Path:
     log = root / f"seed{seed}.log"
     with open(log, "w") as out:
         done = subprocess.run([workspace.tool_path("posttrain"), "run", "--workdir", str(ws)], cwd=ws,
-                              stdout=out, stderr=subprocess.STDOUT)
+                              stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "MLFLOW_TRACKING_URI": uri})
     if done.returncode != 0:
         raise SystemExit(f"seed {seed}: posttrain run failed (exit {done.returncode}); see {log}")
     (ws / "metrics" / "wall_seconds.json").write_text(json.dumps({"pipeline": time.monotonic() - started}))
     return ws
 
 
-def stage_seconds(ws: Path) -> dict[str, float]:
-    """Each stage's wall time, from its MLflow child run of the last retrain run."""
+def last_run(ws: Path, uri: str):
+    """The last finished retrain run of workspace `ws` and its child runs, by stage name."""
     import mlflow
 
-    mlflow.set_tracking_uri(f"sqlite:///{ws / 'mlflow.db'}")
+    mlflow.set_tracking_uri(uri)
     runs = mlflow.search_runs(search_all_experiments=True, order_by=["start_time DESC"],
-                              filter_string="tags.`posttrain.flow` = 'retrain'")
+                              filter_string=f"tags.`posttrain.flow` = 'retrain' and attributes.status = 'FINISHED' "
+                                            f"and tags.`posttrain.workspace` = '{ws.resolve()}'")
     children = mlflow.search_runs(search_all_experiments=True,
                                   filter_string=f"tags.`mlflow.parentRunId` = '{runs.iloc[0].run_id}'")
-    return {c["tags.mlflow.runName"]: (c.end_time - c.start_time).total_seconds() for _, c in children.iterrows()}
+    return runs.iloc[0], {c["tags.mlflow.runName"]: c for _, c in children.iterrows()}
 
 
-def summarise(ws: Path, seed: int, resamples: int) -> dict:
+def summarise(ws: Path, seed: int, resamples: int, uri: str) -> dict:
     """One seed's row: the acceptance figures, with intervals and the paired tests."""
     evaluate, sft = read_json(ws / "metrics" / "evaluate.json"), read_json(ws / "metrics" / "sft.json")
     outcomes = read_json(ws / "reports" / "heldout_outcomes.json")
     grpo_metrics = {p.stem: read_json(p) for p in sorted((ws / "metrics" / "grpo").glob("*.json"))}
-    seconds = stage_seconds(ws)
+    parent, children = last_run(ws, uri)
+    seconds = {name: (c.end_time - c.start_time).total_seconds() for name, c in children.items()}
     before, after = evaluate["sft"], evaluate["grpo"]
     test = {m: stats.compare(outcomes["sft"], outcomes["grpo"], m, resamples=resamples, seed=seed)
             for m in ("greedy_accuracy", f"pass_at_k.{K}")}
     return {
-        "seed": seed, "sft_stopped_at_step": sft.get("stopped_at_step", sft["steps"]),
+        "seed": seed, "run_id": parent.run_id, "sft_stopped_at_step": sft.get("stopped_at_step", sft["steps"]),
         "sft_validation_greedy": sft.get("validation_greedy_accuracy"),
         "sft_greedy": before["greedy_accuracy"], "sft_greedy_ci95": before["greedy_accuracy_ci95"],
         "final_greedy": after["greedy_accuracy"], "final_greedy_ci95": after["greedy_accuracy_ci95"],
@@ -139,19 +144,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", default="/tmp/posttrain-seed-sweep", help="one workspace per seed under it")
     parser.add_argument("--config", default=str(REPO / "configs" / "pipeline.yaml"))
     parser.add_argument("--resamples", type=int, default=2000)
+    parser.add_argument("--tracking-uri", help="the MLflow store every seed logs to (default: sqlite:///<root>/mlflow.db)")
     args = parser.parse_args(argv)
     root = Path(args.root).resolve()
     root.mkdir(parents=True, exist_ok=True)
+    uri = args.tracking_uri or f"sqlite:///{root / 'mlflow.db'}"
     config = read_config_dict(Path(args.config))
     rows = []
     for seed in args.seeds:
         started = time.monotonic()
-        ws = run_seed(root, config, seed)
-        rows.append(summarise(ws, seed, args.resamples))
+        ws = run_seed(root, config, seed, uri)
+        rows.append(summarise(ws, seed, args.resamples, uri))
         print(f"seed {seed}: done in {time.monotonic() - started:.0f} s ({ws})", flush=True)
     text = table(rows)
     checks = acceptance(rows)
     text += "\n\n" + "\n".join(f"- [{'x' if ok else ' '}] {name}" for name, ok in checks)
+    text += f"\n\nMLflow store: {uri}; retrain runs: " + ", ".join(f"seed {r['seed']} {r['run_id']}" for r in rows)
     print(text)
     (root / "seed_sweep.md").write_text(text + "\n")
     (root / "seed_sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
