@@ -128,3 +128,15 @@ def test_marks_each_delta_within_noise_or_significant(tmp_path):
     row = next(line for line in done.stdout.splitlines() if "evaluate.grpo.pass_at_k.8" in line)
     assert "within noise (paired" in row and "significant (paired, p<0.001)" in row
     assert not any("_ci95" in line for line in done.stdout.splitlines())   # intervals sit beside their figure
+
+
+@pytest.mark.parametrize("metric,key", [
+    ("evaluate.grpo.greedy_accuracy", "evaluate.grpo.greedy_accuracy_ci95"),
+    ("evaluate.grpo.dense.pass_at_k.8", "evaluate.grpo.dense.pass_at_k_ci95.8"),   # a stage's model
+    ("sft.pass_at_8", "sft.pass_at_8_ci95"),                                      # a gate figure
+    ("grpo.dense.candidate_greedy_accuracy", "grpo.dense.candidate_greedy_accuracy_ci95"),
+])
+def test_interval_key(metric, key):
+    from posttrain.compare import interval_key
+
+    assert interval_key(metric) == key

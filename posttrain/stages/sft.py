@@ -84,10 +84,17 @@ def run_trainer(config, env, rows, validation, base: str, run_dir: str):
 
 
 def stop_metrics(config, curve: list[dict], steps: int) -> dict[str, float]:
-    """Where `stop_when` stopped: the step, whether the target was reached, the last value."""
+    """Where `stop_when` stopped: the step, whether the target was reached, the last value.
+    A warmup that hit the cap first says so, loudly: GRPO then starts from a weaker model."""
     stop = config.sft.stop_when
     if stop is None:
         return {}
     last = curve[-1]["greedy_accuracy"] if curve else 0.0
-    return {"stopped_at_step": float(steps), "stop_target_reached": float(last >= stop.greedy_accuracy),
+    reached = last >= stop.greedy_accuracy
+    mlflow.set_tag("posttrain.sft_stop", f"target {stop.greedy_accuracy} {'reached' if reached else 'NOT reached'}"
+                                         f" at step {steps} (validation greedy {last:.3f})")
+    if not reached:
+        print(f"posttrain: WARNING: sft.stop_when: validation greedy accuracy {last:.3f} at the cap (step {steps}) "
+              f"is below the target {stop.greedy_accuracy}; raise the `trl:` epochs or the learning rate", flush=True)
+    return {"stopped_at_step": float(steps), "stop_target_reached": float(reached),
             "validation_greedy_accuracy": last, "validation_rows": float(stop.validation_size)}
