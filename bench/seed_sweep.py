@@ -97,10 +97,6 @@ def summarise(ws: Path, seed: int, resamples: int, uri: str) -> dict:
     }
 
 
-def p_text(p: float) -> str:
-    return "<0.001" if p < 0.001 else f"{p:.3f}"
-
-
 def table(rows: list[dict]) -> str:
     lines = ["| seed | SFT stop step (validation) | SFT greedy [95% CI] | final greedy [95% CI] | gain (McNemar p) "
              f"| pass@{K} SFT -> final (paired p) | gates | SFT s | GRPO s (train) |",
@@ -111,8 +107,8 @@ def table(rows: list[dict]) -> str:
         val = f" ({r['sft_validation_greedy']:.3f})" if r["sft_validation_greedy"] is not None else ""
         lines.append(
             f"| {r['seed']} | {r['sft_stopped_at_step']:.0f}{val} | {r['sft_greedy']:.3f} [{lo:.3f}, {hi:.3f}] "
-            f"| {r['final_greedy']:.3f} [{flo:.3f}, {fhi:.3f}] | {r['gain']:+.3f} ({p_text(r['gain_p'])}) "
-            f"| {r['sft_pass8']:.3f} -> {r['final_pass8']:.3f} ({p_text(r['pass8_p'])}) "
+            f"| {r['final_greedy']:.3f} [{flo:.3f}, {fhi:.3f}] | {r['gain']:+.3f} ({stats.format_p(r['gain_p'])}) "
+            f"| {r['sft_pass8']:.3f} -> {r['final_pass8']:.3f} ({stats.format_p(r['pass8_p'])}) "
             f"| {', '.join(f'{k} {v}' for k, v in r['gates'].items())} | {r['sft_seconds']:.0f} "
             f"| {r['grpo_seconds']:.0f} ({r['grpo_train_seconds']:.0f}) |")
     for name, fn in (("mean", statistics.mean), ("std", statistics.stdev if len(rows) > 1 else lambda v: 0.0)):

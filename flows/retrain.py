@@ -91,7 +91,7 @@ def run_pipeline(config, workdir: str, uri: str, logger) -> tuple[dict, str]:
         mlflow.log_artifact(str(Path(workdir) / "dvc.lock"))
         outcomes = read_outcomes(workdir)
         if outcomes:  # what paired tests against this run read: promotion now, `posttrain compare` later
-            mlflow.log_dict(outcomes, OUTCOMES_ARTIFACT)
+            mlflow.log_artifact(str(Path(workdir) / OUTCOMES_ARTIFACT), str(Path(OUTCOMES_ARTIFACT).parent))
         logger.info(push_data(workdir))
         text = summary.render(results.get("evaluate", {}), results.get("serving", {}),
                               config.serving.gpu, parent.info.run_id, uri, exp)

@@ -73,10 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     compare.add_argument("--model-name", default=PromotionSection().model_name,
                          help="registered model the aliases refer to (promotion.model_name)")
-    compare.add_argument("--alpha", type=float, default=StatsSection().alpha,
-                         help="a delta is significant when its two-sided p-value is below this (stats.alpha)")
-    compare.add_argument("--resamples", type=int, default=StatsSection().bootstrap_resamples,
-                         help="bootstrap resamples for the pass@k tests (stats.bootstrap_resamples)")
+    compare.add_argument("--alpha", type=float, help="a delta is significant when its two-sided p-value is below "
+                         f"this (default: the first run's stats.alpha, else {StatsSection().alpha})")
+    compare.add_argument("--resamples", type=int, help="bootstrap resamples for the pass@k tests (default: the "
+                         f"first run's stats.bootstrap_resamples, else {StatsSection().bootstrap_resamples})")
     return parser
 
 
@@ -116,9 +116,7 @@ def dispatch(args) -> int:
 
         if len(args.runs) < 2:
             raise UserError("posttrain compare", "needs at least two runs", "pass two or more run ids or aliases")
-        if not 0 < args.alpha < 1 or args.resamples < 100:
-            raise UserError("posttrain compare", f"--alpha {args.alpha} / --resamples {args.resamples} out of range",
-                            "use 0 < alpha < 1 and at least 100 resamples")
+        check_stats_options(args)
         print(compare(args.runs, out=args.out, tracking_uri=cli_tracking_uri(args), model_name=args.model_name,
                       alpha=args.alpha, resamples=args.resamples))
     elif args.command == "replay":
@@ -160,6 +158,21 @@ def run_workspace(args) -> None:
         check_pending(workdir, load_config(os.path.join(workdir, PARAMS_FILE)))  # bad rows: exit 2 here
         from flows.retrain import retrain
         retrain(workdir=workdir)
+
+
+def check_stats_options(args) -> None:
+    """`--alpha` / `--resamples` within the bounds `stats:` has in a config."""
+    from pydantic import ValidationError
+
+    from posttrain.config import StatsSection
+
+    given = {k: v for k, v in {"alpha": args.alpha, "bootstrap_resamples": args.resamples}.items() if v is not None}
+    try:
+        StatsSection(**given)
+    except ValidationError as err:
+        first = err.errors()[0]
+        flag = "--alpha" if first["loc"][0] == "alpha" else "--resamples"
+        raise UserError(f"posttrain compare {flag}", first["msg"], "see 'posttrain compare --help'") from None
 
 
 def cli_tracking_uri(args) -> str:

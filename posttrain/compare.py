@@ -83,26 +83,25 @@ def interval(run, metric: str) -> list[float] | None:
 def test_delta(metric: str, runs, outcomes: list, first: int, other: int, *, resamples: int,
                seed: int) -> stats.Test | None:
     """The test of `runs[other]` against `runs[first]` on `metric`, None when it has no uncertainty."""
-    split = stats.split_metric(metric)
-    a, b = outcomes[first], outcomes[other]
-    if split and a and b and split[0] in a and split[0] in b:
-        return stats.compare(a[split[0]], b[split[0]], split[1], resamples=resamples, seed=seed)
+    test = stats.compare_runs(outcomes[first], outcomes[other], metric, resamples=resamples, seed=seed)
+    if test is not None:
+        return test
     ci_a, ci_b = interval(runs[first], metric), interval(runs[other], metric)
     va, vb = runs[first].data.metrics.get(metric), runs[other].data.metrics.get(metric)
     if ci_a is None or ci_b is None or va is None or vb is None:
         return None
     se = math.hypot(ci_a[1] - ci_a[0], ci_b[1] - ci_b[0]) / (2 * stats.Z95)
     p = 1.0 if se == 0 and va == vb else 0.0 if se == 0 else math.erfc(abs(vb - va) / se / math.sqrt(2))
-    return stats.Test(vb - va, p, "normal approximation from the intervals", 0)
+    return stats.Test(vb - va, p, "normal approximation from the intervals", 0, paired=False)
 
 
 def verdict(test: stats.Test | None, alpha: float) -> str:
+    """`significant (paired, p<0.001, 500 prompts)`, `within noise (...)`, or '' without a test."""
     if test is None:
         return ""
     word = "significant" if test.p_value < alpha else "within noise"
-    p = "p<0.001" if test.p_value < 0.001 else f"p={test.p_value:.3f}"
-    kind = "paired" if test.name in ("exact McNemar", "paired bootstrap") else "unpaired"
-    return f"{word} ({kind}, {p})"
+    size = f", {test.n_prompts} prompts" if test.n_prompts else ""
+    return f"{word} ({'paired' if test.paired else 'unpaired'}, {stats.format_p(test.p_value)}{size})"
 
 
 def render(refs: list[str], runs, params: dict, metrics: dict, *, outcomes: list | None = None,
@@ -116,19 +115,31 @@ def render(refs: list[str], runs, params: dict, metrics: dict, *, outcomes: list
     for key, values in params.items():
         lines.append(f"  {key:<{width}}  " + "  ".join(f"{str(v):>24}" for v in values))
     header = f"  {'metric':<{width}}  " + "  ".join(f"{n:>24}" for n in names)
-    header += "".join(f"  {'d ' + n[:8]:>10}  {'':<28}" for n in names[1:])
+    header += "".join(f"  {'d ' + n[:8]:>10}  {'':<40}" for n in names[1:])
     lines += ["", f"metrics [95% interval] (d: run minus the first; significant: p < {alpha}):", header]
     for key, values in metrics.items():
         cells = "  ".join(f"{cell(v, interval(r, key)):>24}" for v, r in zip(values, runs))
         deltas = ""
         for i, v in enumerate(values[1:], start=1):
             if v is None or values[0] is None:
-                deltas += f"  {'-':>10}  {'':<28}"
+                deltas += f"  {'-':>10}  {'':<40}"
                 continue
             mark = verdict(test_delta(key, runs, outcomes, 0, i, resamples=resamples, seed=seed), alpha)
-            deltas += f"  {v - values[0]:>+10.4f}  {mark:<28}"
+            deltas += f"  {v - values[0]:>+10.4f}  {mark:<40}"
         lines.append(f"  {key:<{width}}  {cells}{deltas}".rstrip())
     return "\n".join(lines)
+
+
+def stats_settings(run, alpha: float | None, resamples: int | None) -> dict:
+    """The significance level and resamples: as given, else as the run was configured
+    (its `stats.*` params), else the config's defaults."""
+    from posttrain.config import StatsSection
+
+    default = StatsSection()
+    params = run.data.params
+    return {"alpha": alpha if alpha is not None else float(params.get("stats.alpha", default.alpha)),
+            "resamples": resamples if resamples is not None else
+            int(params.get("stats.bootstrap_resamples", default.bootstrap_resamples))}
 
 
 def cell(value, ci) -> str:
@@ -182,8 +193,9 @@ def plot(client, refs: list[str], runs, path: str) -> None:
 
 
 def compare(refs: list[str], *, out: str, model_name: str, tracking_uri: str | None = None,
-            alpha: float = 0.05, resamples: int = 2000) -> str:
-    """Resolve, print-ready text, the PNG at `out`, and a `compare` run holding it."""
+            alpha: float | None = None, resamples: int | None = None) -> str:
+    """Resolve, print-ready text, the PNG at `out`, and a `compare` run holding it.
+    alpha, resamples: None takes the first run's `stats.*` params (else the defaults)."""
     import mlflow
     from mlflow import MlflowClient
 
@@ -193,9 +205,9 @@ def compare(refs: list[str], *, out: str, model_name: str, tracking_uri: str | N
         mlflow.set_tracking_uri(tracking_uri)
     client = MlflowClient()
     runs = [resolve(client, ref, model_name) for ref in refs]
-    outcomes = [run_outcomes(client, r.info.run_id) for r in runs]
-    text = render(refs, runs, differing_params(runs), metrics_table(runs), outcomes=outcomes, alpha=alpha,
-                  resamples=resamples)
+    outcomes = [run_outcomes(r.info.run_id) for r in runs]
+    settings = stats_settings(runs[0], alpha, resamples)
+    text = render(refs, runs, differing_params(runs), metrics_table(runs), outcomes=outcomes, **settings)
     plot(client, refs, runs, out)
     with mlflow.start_run(experiment_id=runs[0].info.experiment_id, run_name="compare") as run:
         mlflow.set_tags({"posttrain.compare": ",".join(r.info.run_id for r in runs)})

@@ -28,7 +28,7 @@ from posttrain import stats
 class Decision(NamedTuple):
     accepted: bool
     reason: str
-    p_values: dict[str, float] = {}
+    p_values: dict[str, float] | None = None  # figure -> p of its paired test (None: untested)
 
 
 class Drop(NamedTuple):

@@ -51,20 +51,17 @@ def decide(metric: str, value: float, champion: tuple[str, float] | None, *, hig
         f"{'champion' if better else 'challenger'}: {against.format(verb)}{note}"
 
 
-def significance(settings, stats_settings, outcomes: dict | None, champion_outcomes: dict | None,
-                 seed: int) -> tuple[stats.Test | None, str | None]:
-    """(the paired test of this run against the champion on `settings.metric`, or None
-    and why not). Only evaluate accuracies and pass@k have per-prompt outcomes."""
+def significance(config, outcomes: dict | None, champion_run_id: str) -> tuple[stats.Test | None, str | None]:
+    """(the test of this run against the champion on `promotion.metric`, or None and why
+    not). Only evaluate accuracies and pass@k have per-prompt outcomes."""
+    settings = config.promotion
     if not settings.require_significance:
         return None, None
-    split = stats.split_metric(settings.metric)
-    if split is None:
+    if stats.split_metric(settings.metric) is None:
         return None, f"{settings.metric} has no per-prompt outcomes"
-    model, figure = split
-    if not outcomes or model not in outcomes or not champion_outcomes or model not in champion_outcomes:
-        return None, f"a run lacks {OUTCOMES_ARTIFACT} for model {model!r}"
-    return stats.compare(champion_outcomes[model], outcomes[model], figure,
-                         resamples=stats_settings.bootstrap_resamples, seed=seed), None
+    test = stats.compare_runs(run_outcomes(champion_run_id), outcomes, settings.metric,
+                              resamples=config.stats.bootstrap_resamples, seed=config.seed)
+    return (test, None) if test else (None, f"a run lacks the per-prompt outcomes {OUTCOMES_ARTIFACT}")
 
 
 def promote(config, run_id: str, model_dir: str, metrics: dict[str, float], serving: dict,
@@ -87,8 +84,7 @@ def promote(config, run_id: str, model_dir: str, metrics: dict[str, float], serv
     except MlflowException:
         pass  # no registered model or no champion yet
     if champion is not None:
-        test, untested = significance(settings, config.stats, outcomes, run_outcomes(client, current.run_id),
-                                      config.seed)
+        test, untested = significance(config, outcomes, current.run_id)
     serving_ok = serving.get("slo_sessions", 1.0) >= serving.get("slo_min_sessions", 0.0)
     alias, reason = decide(settings.metric, metrics[settings.metric], champion,
                            higher_is_better=settings.higher_is_better, serving_ok=serving_ok, test=test,

@@ -8,7 +8,10 @@ per prompt], "n": samples per prompt}`.
 - greedy accuracy: Wilson score interval; two models on the same prompts: exact McNemar.
 - pass@k: percentile bootstrap over prompts; two models on the same prompts: paired
   bootstrap of the mean per-prompt difference; on different prompts: unpaired bootstrap.
-Bootstraps are seeded, so the same inputs give the same interval and p-value.
+Bootstraps are seeded, so the same inputs give the same interval and p-value. Two
+records are paired only when they hold the same prompts (in any order); records on
+different prompt sets (another seed's split) are compared unpaired, each on all of its
+own prompts, so the tested difference is the reported one.
 """
 
 from __future__ import annotations
@@ -27,16 +30,22 @@ _PER_PROMPT_METRIC = re.compile(r"^evaluate\.(?P<model>.+)\.(?P<figure>greedy_ac
 
 
 class Test(NamedTuple):
-    """A two-sided test of `b - a`: the difference, its p-value, the test's name, and how
-    many prompts it used (paired: those both models answered)."""
+    """A two-sided test of `b - a`: the difference, its p-value, the test's name, how
+    many prompts it used (paired: the shared prompts; unpaired: both sets), and whether
+    it was paired."""
     difference: float
     p_value: float
     name: str
     n_prompts: int
+    paired: bool = True
 
     def describe(self) -> str:
-        p = "p<0.001" if self.p_value < 0.001 else f"p={self.p_value:.3f}"
-        return f"{self.name} {p}, {self.n_prompts} prompts"
+        return f"{self.name} {format_p(self.p_value)}, {self.n_prompts} prompts"
+
+
+def format_p(p: float) -> str:
+    """`p<0.001` or `p=0.123`: how every p-value is printed."""
+    return "p<0.001" if p < 0.001 else f"p={p:.3f}"
 
 
 def wilson_interval(successes: int, n: int, z: float = Z95) -> list[float]:
@@ -87,16 +96,29 @@ def mcnemar_exact(a: list[int], b: list[int]) -> float:
     return min(1.0, 2 * tail)
 
 
+def _no_spread_p(differences: np.ndarray) -> float | None:
+    """The p-value when the bootstrap has nothing to resample: 1 for no prompts or no
+    difference; for `n` prompts that all moved the same way, the exact sign test's
+    `2 * 2**-n` (one prompt proves nothing, twenty do)."""
+    if len(differences) == 0 or np.allclose(differences, 0.0):
+        return 1.0
+    if np.allclose(differences, differences[0]):
+        return min(1.0, 2.0 * 0.5 ** len(differences))
+    return None
+
+
 def paired_bootstrap_p(a, b, *, resamples: int, seed: int) -> float:
     """Two-sided p-value that the mean of `b - a` (paired, one pair per prompt) is zero.
 
     The bootstrap distribution of the mean difference, shifted to the null (centred on
-    zero), is compared with the observed mean; `(1 + hits) / (1 + resamples)`.
+    zero), is compared with the observed mean; `(1 + hits) / (1 + resamples)`. Like any
+    bootstrap it is honest from a few dozen prompts on.
     """
     d = np.asarray(b, dtype=float) - np.asarray(a, dtype=float)
+    degenerate = _no_spread_p(d)
+    if degenerate is not None:
+        return degenerate
     observed = d.mean()
-    if np.allclose(d, d[0]):
-        return 1.0 if abs(observed) < 1e-12 else 1.0 / (1 + resamples)
     means = _resampled_means(d, resamples, seed)
     hits = np.sum(np.abs(means - observed) >= abs(observed) - 1e-12)
     return float((1 + hits) / (1 + resamples))
@@ -106,10 +128,12 @@ def unpaired_bootstrap_p(a, b, *, resamples: int, seed: int) -> float:
     """Two-sided p-value that two means on different prompts are equal: each sample is
     resampled on its own, and the shifted difference compared with the observed one."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if len(a) < 2 or len(b) < 2:
+        return 1.0
     observed = b.mean() - a.mean()
     diffs = _resampled_means(b, resamples, seed) - _resampled_means(a, resamples, seed + 1)
     if np.allclose(diffs, diffs[0]):
-        return 1.0 if abs(observed) < 1e-12 else 1.0 / (1 + resamples)
+        return 1.0 if abs(observed) < 1e-12 else 2.0 * 0.5 ** min(len(a), len(b))
     hits = np.sum(np.abs(diffs - observed) >= abs(observed) - 1e-12)
     return float((1 + hits) / (1 + resamples))
 
@@ -131,23 +155,30 @@ def metric_values(outcomes: dict, metric: str) -> np.ndarray:
 
 
 def compare(a: dict, b: dict, metric: str, *, resamples: int, seed: int) -> Test:
-    """Is `b` different from `a` on `metric` beyond noise? Paired on the prompts both were
-    evaluated on (exact McNemar for greedy accuracy, paired bootstrap for pass@k);
-    unpaired bootstrap when they share none."""
-    index_a = {p: i for i, p in enumerate(a["prompts"])}
-    shared = [(index_a[p], j) for j, p in enumerate(b["prompts"]) if p in index_a]
+    """Is `b` different from `a` on `metric` beyond noise? Paired when both were evaluated
+    on the same prompts (exact McNemar for greedy accuracy, paired bootstrap for pass@k),
+    matched by prompt; otherwise an unpaired bootstrap, each on all of its prompts."""
     values_a, values_b = metric_values(a, metric), metric_values(b, metric)
-    if not shared:
+    if sorted(a["prompts"]) != sorted(b["prompts"]):
         p = unpaired_bootstrap_p(values_a, values_b, resamples=resamples, seed=seed)
-        return Test(float(values_b.mean() - values_a.mean()), p, "unpaired bootstrap (no shared prompts)",
-                    len(values_a) + len(values_b))
-    ia, ib = (list(x) for x in zip(*shared))
-    pa, pb = values_a[ia], values_b[ib]
+        return Test(float(values_b.mean() - values_a.mean()), p, "unpaired bootstrap (different prompts)",
+                    len(values_a) + len(values_b), paired=False)
+    order = {p: i for i, p in enumerate(a["prompts"])}
+    pa, pb = values_a[[order[p] for p in b["prompts"]]], values_b
     if metric == "greedy_accuracy":
         p, name = mcnemar_exact(pa.astype(int).tolist(), pb.astype(int).tolist()), "exact McNemar"
     else:
         p, name = paired_bootstrap_p(pa, pb, resamples=resamples, seed=seed), "paired bootstrap"
-    return Test(float(pb.mean() - pa.mean()), p, name, len(shared))
+    return Test(float(pb.mean() - pa.mean()), p, name, len(pb))
+
+
+def compare_runs(a: dict | None, b: dict | None, metric: str, *, resamples: int, seed: int) -> Test | None:
+    """`compare` for a run metric such as `evaluate.grpo.pass_at_k.8`, given each run's
+    outcomes by model; None when the metric has no per-prompt form or a run lacks it."""
+    split = split_metric(metric)
+    if split is None or not a or not b or split[0] not in a or split[0] not in b:
+        return None
+    return compare(a[split[0]], b[split[0]], split[1], resamples=resamples, seed=seed)
 
 
 def intervals(outcomes: dict, ks: list[int], *, resamples: int, seed: int) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from posttrain.stats import format_p
+
 
 def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
     """Where the run opens in the MLflow UI (credentials in the URI are left out)."""
@@ -52,13 +54,13 @@ def render(evaluate: dict, serving: dict, gpu: str, run_id: str, tracking_uri: s
 
 
 def gates_line(gates: dict[str, str], results: dict) -> str:
-    """`Gates: dense accepted (p: greedy_accuracy <0.001, pass_at_8 0.004)`: each GRPO
+    """`Gates: dense accepted (... greedy_accuracy p<0.001, pass_at_8 p=0.004)`: each GRPO
     stage's verdict with the p-values of its paired tests against the previous model."""
     parts = []
     for tag, verdict in gates.items():
         stage = tag.split(".", 1)[1]
         p_values = {k.removeprefix("gate_p_"): v for k, v in results.get(f"grpo@{stage}", {}).items()
                     if k.startswith("gate_p_")}
-        shown = ", ".join(f"{k} {'<0.001' if v < 0.001 else f'{v:.3f}'}" for k, v in p_values.items())
-        parts.append(f"{stage} {verdict}" + (f" (paired tests vs the previous model, p: {shown})" if shown else ""))
+        shown = ", ".join(f"{k} {format_p(v)}" for k, v in p_values.items())
+        parts.append(f"{stage} {verdict}" + (f" (paired tests vs the previous model: {shown})" if shown else ""))
     return "Gates: " + (", ".join(parts) or "none")

@@ -135,15 +135,12 @@ def log_json_artifact(data, artifact_path: str) -> None:
     mlflow.log_text(json.dumps(data, indent=2, sort_keys=True, default=str), artifact_path)
 
 
-def run_outcomes(client, run_id: str) -> dict | None:
+def run_outcomes(run_id: str) -> dict | None:
     """A parent run's per-prompt held-out outcomes (model -> outcomes), None without them."""
-    import tempfile
-
+    import mlflow
     from mlflow.exceptions import MlflowException
 
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            path = client.download_artifacts(run_id, OUTCOMES_ARTIFACT, tmp)
-        except (MlflowException, OSError):
-            return None
-        return json.loads(Path(path).read_text())
+    try:
+        return mlflow.artifacts.load_dict(f"runs:/{run_id}/{OUTCOMES_ARTIFACT}")
+    except (MlflowException, OSError):
+        return None

@@ -123,10 +123,10 @@ def test_marks_each_delta_within_noise_or_significant(tmp_path):
     row = next(line for line in done.stdout.splitlines() if "evaluate.grpo.greedy_accuracy" in line)
     # the first run's figure with its Wilson interval, then a delta per other run with its verdict
     assert f"{greedy.mean():.4f} [" in row
-    assert "+0.0000  within noise (paired, p=1.000)" in row
-    assert "-0.1000  significant (paired, p<0.001)" in row
+    assert "+0.0000  within noise (paired, p=1.000, 500 prompts)" in row
+    assert "-0.1000  significant (paired, p<0.001, 500 prompts)" in row
     row = next(line for line in done.stdout.splitlines() if "evaluate.grpo.pass_at_k.8" in line)
-    assert "within noise (paired" in row and "significant (paired, p<0.001)" in row
+    assert "within noise (paired" in row and "significant (paired, p<0.001, 500 prompts)" in row
     assert not any("_ci95" in line for line in done.stdout.splitlines())   # intervals sit beside their figure
 
 

@@ -118,6 +118,20 @@ def test_pairs_by_prompt_and_falls_back_to_unpaired():
     assert test.p_value == 1.0 and test.n_prompts == 4                      # same answers, other order
     other = outcomes([1, 0], [16, 0], prompts=["7+7=", "8+8="])
     assert stats.compare(a, other, "pass_at_k.8", resamples=500, seed=0).name.startswith("unpaired")
+    # a partial overlap (another seed's split) is not paired: the test covers each run's own figure
+    overlap = outcomes([1, 1, 0, 1], [16, 12, 0, 9], prompts=["1+1=", "2+2=", "5+5=", "6+6="])
+    test = stats.compare(a, overlap, "greedy_accuracy", resamples=500, seed=0)
+    assert not test.paired and test.n_prompts == 8 and test.difference == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("a,b,p", [
+    ([], [], 1.0),                          # nothing to test
+    ([0.2], [0.9], 1.0),                    # one prompt proves nothing
+    ([0.0] * 3, [0.5] * 3, 0.25),           # three prompts, all the same way: the sign test's 2 * 2**-3
+    ([0.1] * 20, [0.1] * 20, 1.0),          # no difference at all
+])
+def test_paired_bootstrap_without_spread_falls_back_to_the_sign_test(a, b, p):
+    assert stats.paired_bootstrap_p(a, b, resamples=500, seed=0) == pytest.approx(p)
 
 
 def test_intervals_are_seeded_and_hold_the_figure():

@@ -112,7 +112,7 @@ def gate_metrics(candidate: dict, decision, k: int) -> dict:
     """The candidate's figures with their intervals, the verdict, and the p-values of the
     paired tests against the previous model (`gate_p_<figure>`)."""
     return {**gate_figures(candidate, k, prefix="candidate_"), "accepted": float(decision.accepted),
-            **{f"gate_p_{name}": p for name, p in decision.p_values.items()}}
+            **{f"gate_p_{name}": p for name, p in (decision.p_values or {}).items()}}
 
 
 def record(name, metrics, decision, curve, metrics_path, curve_path) -> None:
