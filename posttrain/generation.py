@@ -26,7 +26,7 @@ def generate(model, tokenizer, prompts: list[str], *, n: int, temperature: float
     out: list[list[str]] = []
     step = max(1, batch_size // n)
     for start in range(0, len(prompts), step):
-        batch = tokenizer(prompts[start:start + step], return_tensors="pt", padding=True)
+        batch = tokenizer(prompts[start:start + step], return_tensors="pt", padding=True).to(model.device)
         with torch.inference_mode():
             ids = model.generate(
                 **batch, do_sample=sample, temperature=temperature if sample else None,

@@ -10,6 +10,7 @@ evaluates); the `trl:` epochs stay the cap.
 from __future__ import annotations
 
 import random
+import time
 
 from transformers import TrainerCallback
 
@@ -35,8 +36,9 @@ def greedy_accuracy(model, tokenizer, env, rows: list[dict], max_new_tokens: int
     was_training, side = model.training, tokenizer.padding_side
     tokenizer.padding_side = "left"  # decoder-only generation continues the prompt's last token
     model.eval()
+    devices = [model.device] if model.device.type != "cpu" else []  # the CPU generator is always forked
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=devices, device_type=model.device.type):
             greedy = generate(model, tokenizer, [r["prompt"] for r in rows], n=1, temperature=0.0,
                               max_new_tokens=max_new_tokens)
     finally:
@@ -51,21 +53,35 @@ class StopOnTarget(TrainerCallback):
 
     Each measurement goes through `log` (the trainer's own `Trainer.log`), so it lands in
     `state.log_history` (saved with every checkpoint: the curve survives a resume) and in
-    every reporting callback (MLflow) at its step.
+    every reporting callback (MLflow) at its step. A schedule that ends between two
+    measurements is measured at its last step too, so the curve ends where training did.
+    `seconds` is the time spent measuring (inside `train()`'s wall time).
     """
 
     def __init__(self, env, rows: list[dict], *, target: float, every_steps: int, max_new_tokens: int, log):
         self.env, self.rows, self.target, self.every_steps = env, rows, target, every_steps
         self.max_new_tokens, self.log = max_new_tokens, log
+        self.seconds = 0.0
 
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         if state.global_step % self.every_steps:
             return control
-        accuracy = greedy_accuracy(model, processing_class, self.env, self.rows, self.max_new_tokens)
-        self.log({CURVE_KEY: accuracy})
-        if accuracy >= self.target:
+        if self.measure(model, processing_class) >= self.target:
             control.should_training_stop = True
         return control
+
+    def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+        curve = validation_curve(state.log_history)
+        if not curve or curve[-1]["step"] != state.global_step:
+            self.measure(model, processing_class)
+        return control
+
+    def measure(self, model, tokenizer) -> float:
+        started = time.perf_counter()
+        accuracy = greedy_accuracy(model, tokenizer, self.env, self.rows, self.max_new_tokens)
+        self.seconds += time.perf_counter() - started
+        self.log({CURVE_KEY: accuracy})
+        return accuracy
 
 
 def validation_curve(log_history: list[dict]) -> list[dict]:

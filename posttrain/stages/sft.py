@@ -36,7 +36,7 @@ def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: 
     with stage_run(config, "sft"):
         base = resolve_model_dir(base_dir)
         run_dir = checkpoints.run_dir(checkpoint_dir, [config.seed, config.sft.model_dump()], [Path(data_dir), base])
-        trainer, seconds, resumed = run_trainer(config, env, rows, validation, base, run_dir)
+        trainer, seconds, resumed, measuring = run_trainer(config, env, rows, validation, base, run_dir)
         trainer.save_model(out_dir)
         checkpoints.clear(checkpoint_dir)
         evaluation = gate_evaluation(out_dir, env, config, data_dir)
@@ -47,7 +47,7 @@ def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: 
                    "resumed_from_step": float(resumed),
                    "train_loss": next((e["train_loss"] for e in reversed(trainer.state.log_history)
                                        if "train_loss" in e), 0.0),
-                   "format_contract": contract, **stop_metrics(config, curve, trainer.state.global_step),
+                   "format_contract": contract, **stop_metrics(config, curve, trainer.state.global_step, measuring),
                    **gate_figures(evaluation, config.gate.k)}
         mlflow.log_metrics({f"stage.{k}": v for k, v in flatten(metrics).items()})
         write_json(metrics_path, metrics)
@@ -63,7 +63,8 @@ def split_validation(config, rows: list[dict]) -> tuple[list[dict], list[dict]]:
 
 
 def run_trainer(config, env, rows, validation, base: str, run_dir: str):
-    """(trainer, wall seconds of train(), the step it resumed from), trained with TRL."""
+    """(trainer, wall seconds of train(), the step it resumed from, seconds of it spent
+    measuring for `stop_when`), trained with TRL."""
     from datasets import Dataset
     from transformers import AutoTokenizer, Trainer
     from trl import SFTConfig, SFTTrainer
@@ -73,17 +74,17 @@ def run_trainer(config, env, rows, validation, base: str, run_dir: str):
                             output_dir=run_dir, report_to=["mlflow"], run_name="sft")
     trainer = SFTTrainer(model=base, args=args, train_dataset=dataset,
                          processing_class=AutoTokenizer.from_pretrained(base))
-    stop = config.sft.stop_when
+    stop, stopper = config.sft.stop_when, None
     if stop is not None:
         # Trainer.log, not SFTTrainer.log: TRL's override would take the token-accuracy averages it logs next
-        trainer.add_callback(StopOnTarget(env, validation, target=stop.greedy_accuracy, every_steps=stop.every_steps,
-                                          max_new_tokens=config.evaluate.max_new_tokens,
-                                          log=functools.partial(Trainer.log, trainer)))
+        stopper = StopOnTarget(env, validation, target=stop.greedy_accuracy, every_steps=stop.every_steps,
+                               max_new_tokens=config.evaluate.max_new_tokens, log=functools.partial(Trainer.log, trainer))
+        trainer.add_callback(stopper)
     seconds, resumed = train(trainer, run_dir)
-    return trainer, seconds, resumed
+    return trainer, seconds, resumed, stopper.seconds if stopper else 0.0
 
 
-def stop_metrics(config, curve: list[dict], steps: int) -> dict[str, float]:
+def stop_metrics(config, curve: list[dict], steps: int, measuring: float) -> dict[str, float]:
     """Where `stop_when` stopped: the step, whether the target was reached, the last value.
     A warmup that hit the cap first says so, loudly: GRPO then starts from a weaker model."""
     stop = config.sft.stop_when
@@ -97,4 +98,5 @@ def stop_metrics(config, curve: list[dict], steps: int) -> dict[str, float]:
         print(f"posttrain: WARNING: sft.stop_when: validation greedy accuracy {last:.3f} at the cap (step {steps}) "
               f"is below the target {stop.greedy_accuracy}; raise the `trl:` epochs or the learning rate", flush=True)
     return {"stopped_at_step": float(steps), "stop_target_reached": float(reached),
-            "validation_greedy_accuracy": last, "validation_rows": float(stop.validation_size)}
+            "validation_greedy_accuracy": last, "validation_rows": float(stop.validation_size),
+            "validation_seconds": measuring}
