@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: install run test test-fast repro bench clean
+.PHONY: install run test test-fast repro bench bench-seeds clean
 
 install: $(VENV)/.installed
 
@@ -40,6 +40,10 @@ test-fast: install
 
 bench: install
 	$(BIN)/python bench/orchestration_overhead.py
+
+# the default pipeline over seeds 0-4 (about an hour on 2 cores); ROOT keeps the workspaces
+bench-seeds: install
+	$(BIN)/python bench/seed_sweep.py $(if $(ROOT),--root $(ROOT))
 
 clean:
 	rm -rf data artifacts checkpoints reports logs mlflow.db mlartifacts runs

@@ -44,7 +44,8 @@ def test_sft_stage_refuses_before_any_compute(tmp_path):
        "--model-dir", "artifacts/models/base", "--metrics-path", "metrics/prepare.json", cwd=ws)
     done = sh("posttrain", "stage", "sft", "--config", "configs/pipeline.yaml", "--data-dir", "data",
               "--base-dir", "artifacts/models/base", "--out-dir", "artifacts/models/sft",
-              "--checkpoint-dir", "checkpoints/sft", "--metrics-path", "metrics/sft.json", cwd=ws, check=False)
+              "--checkpoint-dir", "checkpoints/sft", "--metrics-path", "metrics/sft.json",
+              "--curve-path", "plots/sft_validation.json", cwd=ws, check=False)
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1 and "format contract" in done.stderr
     assert "Traceback" not in done.stderr
