@@ -18,6 +18,11 @@ class GateFailure(Exception):
     one-line reason and exits 3, so the stage, DVC and the flow all stop there."""
 
 
+class PredictionMismatch(GateFailure):
+    """vLLM disagrees with the KV estimator: the arithmetic no longer describes the engine.
+    A gate like any other (one line, exit 3), not a crash."""
+
+
 class ReplayError(RuntimeError):
     """`posttrain replay` itself failed (a clone, a pull, the rerun), as opposed to metrics
     that differ: the CLI prints the one-line reason and exits 4."""

@@ -69,6 +69,15 @@ def make_workspace(dest: Path, overrides: dict) -> Path:
     return workspace.create(dest, read_config_dict(overrides_file))
 
 
+def copy_workspace(src: Path, dest: Path) -> Path:
+    """A copy of a workspace (git, DVC cache, MLflow store) that a test may change without
+    changing what other tests of a shared fixture see, whatever order they run in."""
+    import shutil
+
+    shutil.copytree(src, dest, symlinks=True, ignore=shutil.ignore_patterns("posttrain-retrain.lock"))
+    return dest
+
+
 @pytest.fixture(autouse=True)
 def _no_inherited_mlflow(monkeypatch):
     for key in CHILD_ENV_DROP:

@@ -6,7 +6,7 @@ import re
 import mlflow
 import pytest
 
-from conftest import sh
+from conftest import copy_workspace, sh
 
 pytestmark = pytest.mark.slow
 
@@ -119,9 +119,9 @@ def test_unknown_replay_run_is_one_line_exit_2(flow_runs):
     assert "ffffffff" in done.stderr and "no such run" in done.stderr
 
 
-def test_dvc_experiment_sweep_and_metrics_diff(flow_runs):
+def test_dvc_experiment_sweep_and_metrics_diff(flow_runs, tmp_path):
     """The README's example: commit a baseline, sweep one param, diff the metrics."""
-    ws = flow_runs[0]
+    ws = copy_workspace(flow_runs[0], tmp_path / "ws")
     sh("git", "add", "-A", cwd=ws)
     sh("git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline", cwd=ws)
     sh("dvc", "exp", "run", "-S", "configs/pipeline.yaml:serving.gpu_memory_utilization=0.5", cwd=ws)

@@ -54,15 +54,18 @@ def test_guardrail_gets_the_minimum_whatever_the_channels_say(tmp_path, monkeypa
     args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=32,
                       num_generations=8, max_completion_length=12, temperature=1.5, reward_weights=weights,
                       multi_objective_aggregation=aggregation, report_to=[], save_strategy="no", seed=0,
-                      **device_defaults())
+                      log_completions=True, logging_steps=1, **device_defaults())
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=funcs, args=args,
                           train_dataset=Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]}
                                                            for r in rows]),
                           processing_class=AutoTokenizer.from_pretrained(model_dir))
     trainer.train()
-    logs = trainer._logs
-    completions, advantages = list(logs["completion"]), list(logs["advantages"])
-    length, correct = list(logs["rewards"]["length"]), list(logs["rewards"]["correctness"])
+    # TRL's own completion log (`log_completions`): per completion, each channel's reward and the advantage
+    import pandas as pd
+
+    logs = pd.read_parquet(tmp_path / "out" / "completions" / "completions_00001.parquet")
+    completions, advantages = list(logs["completion"]), list(logs["advantage"])
+    length, correct = list(logs["length"]), list(logs["correctness"])
     broken = [len(c) > 8 for c in completions]
     mixed_groups = 0
     for start in range(0, len(completions), 8):

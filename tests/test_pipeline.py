@@ -61,7 +61,15 @@ def test_each_stage_logs_a_run_with_trl_curves(reproduced):
 
 
 def test_dvc_plots_render(reproduced):
-    sh("dvc", "plots", "show", "--json", cwd=reproduced)
+    """Every plot dvc.yaml declares renders with data points, and DVC reports no error."""
+    shown = json.loads(sh("dvc", "plots", "show", "--json", cwd=reproduced).stdout)
+    assert not shown.get("errors"), shown["errors"]
+    for plot in ("plots/sft_validation.json", "plots/grpo/dense.json", "accuracy_by_model", "serving_concurrency",
+                 "pass_at_k"):
+        rendered = shown["data"].get(plot)
+        assert rendered and rendered[0]["type"] == "vega", (plot, sorted(shown["data"]))
+        assert rendered[0]["content"]["data"]["values"], plot
+    assert shown["data"]["plots/pass_at_k.png"][0]["type"] == "image"
 
 
 

@@ -7,8 +7,8 @@ the pipeline, the second finds nothing changed and says so quickly.
 
 With PostgreSQL the workspace is new, new data waits in `incoming/` (the first run
 versions it and trains on it), and the tracking server is `mlflow server` on PostgreSQL
-with a proxied artifact store. With SQLite the workspace is the one tests/test_flow.py
-ran (`flow_runs`), with a serving setting changed: only the serving stage reruns, so the
+with a proxied artifact store. With SQLite the workspace is a copy of the one
+tests/test_flow.py ran (`flow_runs`), with a serving setting changed: only the serving stage reruns, so the
 variant costs seconds of compute.
 """
 
@@ -20,7 +20,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from conftest import SMALL, make_workspace, sh
+from conftest import SMALL, copy_workspace, make_workspace, sh
 from servers import (POSTGRES, api, mlflow_server, postgres_database, prefect_server, process_env, running,
                      wait_for)
 
@@ -35,7 +35,7 @@ def served(request, tmp_path):
         mlflow_uri = None
         if request.param == "sqlite":
             database_url = f"sqlite+aiosqlite:///{tmp_path / 'prefect.db'}"
-            ws = request.getfixturevalue("flow_runs")[0]
+            ws = copy_workspace(request.getfixturevalue("flow_runs")[0], tmp_path / "ws")
             params = ws / "configs" / "pipeline.yaml"
             config = yaml.safe_load(params.read_text())
             config["serving"]["gpu_memory_utilization"] = 0.6

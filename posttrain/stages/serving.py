@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlflow
 
-from posttrain.errors import GateFailure
+from posttrain.errors import GateFailure, PredictionMismatch
 from posttrain.io import final_model_dir, read_json, read_jsonl, resolve_model_dir, write_json
 import importlib.util
 
@@ -79,10 +79,6 @@ def concurrency_plot(model_dir: str, serving, profile: dict, plot_path: str) -> 
     ax.grid(True, which="both", alpha=0.3)
     mlflow.log_figure(fig, "serving_concurrency.png")
     plt.close(fig)
-
-
-class PredictionMismatch(RuntimeError):
-    """vLLM disagrees with the estimator: the arithmetic no longer describes the engine."""
 
 
 def check_with_vllm(model_dir: str, check, context_length: int) -> dict:
