@@ -1,14 +1,11 @@
-"""The text-to-SQL environment: execution grading, the sandbox, and reward hacking."""
-
-import sqlite3
-import time
+"""The text-to-SQL environment: execution grading and reward hacking (the sandbox
+its queries run in: tests/test_sandbox.py)."""
 
 import pytest
 
 from posttrain.envs import get_env
 from posttrain.gate import decide
 from posttrain.rewards import build_rewards
-from posttrain.sandbox import QueryError, run_query
 
 
 @pytest.fixture(scope="module")
@@ -43,48 +40,6 @@ def test_rows_compare_as_multisets_unless_the_gold_query_orders(env):
     assert not env.verify("SELECT name FROM emp WHERE dept='sales' ORDER BY age DESC", ordered)
     assert not env.verify("SELECT name FROM emp WHERE dept='sales' UNION ALL "
                           "SELECT name FROM emp WHERE dept='sales'", gold)  # duplicates count
-
-
-@pytest.mark.parametrize("query", [
-    "DROP TABLE emp",
-    "INSERT INTO emp VALUES ('zz', 'it', 30, 50)",
-    "UPDATE emp SET salary = 0",
-    "DELETE FROM emp",
-    "CREATE TABLE t (x)",
-    "ATTACH DATABASE ':memory:' AS other",
-    "PRAGMA user_version = 7",
-    "PRAGMA journal_mode = WAL",
-    "SELECT 1; DROP TABLE emp",
-    "SELECT load_extension('x')",
-])
-def test_sandbox_refuses_anything_but_reading(env, query):
-    before = env.db_path.read_bytes()
-    with pytest.raises(QueryError):
-        run_query(env.db_path, query)
-    assert env.db_path.read_bytes() == before
-    assert not env.verify(query, "SELECT COUNT(*) FROM emp")
-
-
-def test_sandbox_opens_read_only(env):
-    # even past the authorizer, the connection itself cannot write
-    conn = sqlite3.connect(f"{env.db_path.resolve().as_uri()}?mode=ro", uri=True)
-    with pytest.raises(sqlite3.OperationalError, match="readonly"):
-        conn.execute("DELETE FROM emp")
-    conn.close()
-
-
-def test_sandbox_stops_a_query_that_would_run_forever(env):
-    forever = "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r) SELECT MAX(i) FROM r"
-    start = time.monotonic()
-    with pytest.raises(QueryError, match="timed out"):
-        run_query(env.db_path, forever, timeout_s=0.5)
-    assert time.monotonic() - start < 3
-    assert not env.verify(forever, "SELECT COUNT(*) FROM emp")  # scored 0, not an exception
-
-
-def test_sandbox_bounds_the_rows(env):
-    with pytest.raises(QueryError, match="more than 10 rows"):
-        run_query(env.db_path, "SELECT a.name FROM emp a, emp b", max_rows=10)
 
 
 def hacked(gold: str) -> str:
