@@ -1,6 +1,7 @@
 """The `posttrain` command: parses arguments and calls the library, nothing more.
 
-Bad input of any kind exits 2 with one line on stderr and no traceback.
+Bad input of any kind exits 2 with one line on stderr and no traceback; a server a
+command needs that does not answer is bad input too. No printed message carries a password.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 
 from posttrain.errors import GateFailure, ReplayError, UserError
 from posttrain.io import PARAMS_FILE
+from posttrain.redact import redact_text
 
 # Offline by default: real models are local paths; Prefect and DVC send no telemetry.
 OFFLINE_DEFAULTS = {
@@ -112,11 +114,12 @@ def dispatch(args) -> int:
     elif args.command == "run":
         run_workspace(args)
     elif args.command == "compare":
-        from posttrain.compare import compare
+        from posttrain.compare import check_out, compare
 
         if len(args.runs) < 2:
             raise UserError("posttrain compare", "needs at least two runs", "pass two or more run ids or aliases")
         check_stats_options(args)
+        check_out(args.out)
         print(compare(args.runs, out=args.out, tracking_uri=cli_tracking_uri(args), model_name=args.model_name,
                       alpha=args.alpha, resamples=args.resamples))
     elif args.command == "replay":
@@ -142,11 +145,8 @@ def run_workspace(args) -> None:
     from posttrain.config import load_config, read_config_dict
     from posttrain.ingest import check_pending
 
-    if args.config:
-        load_config(args.config)
     workdir = args.workdir or (os.path.join("runs", Path(args.config).stem) if args.config else ".")
-    if not args.config:
-        load_config(os.path.join(workdir, PARAMS_FILE))
+    servers_and_config("run", args.config or os.path.join(workdir, PARAMS_FILE), temporary_prefect=True)
     if args.config and not Path(workdir, "dvc.yaml").is_file():
         workspace.create(workdir, read_config_dict(Path(args.config)))
     if not (Path(workdir, "dvc.yaml").is_file() and Path(workdir, ".dvc").is_dir()):
@@ -177,24 +177,45 @@ def check_stats_options(args) -> None:
 
 def cli_tracking_uri(args) -> str:
     """--tracking-uri, else MLFLOW_TRACKING_URI, else the embedded default's store here.
-    A SQLite store that does not exist is an error (MLflow would create an empty one)."""
+    A SQLite store that does not exist is an error (MLflow would create an empty one), and
+    so is a server that does not answer."""
+    from posttrain.probe import check_tracking
+
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
     if uri.startswith("sqlite:///") and not os.path.isfile(uri[len("sqlite:///"):]):
         raise UserError(f"posttrain {args.command}", f"no MLflow store at {uri}",
                         "run where `make run` ran, or pass --tracking-uri / set MLFLOW_TRACKING_URI")
+    check_tracking(uri, command=args.command,
+                   source="--tracking-uri" if args.tracking_uri else "MLFLOW_TRACKING_URI")
     return uri
 
 
-def serve_workspace(args) -> None:
-    """Check the workspace and the schedule, then serve until stopped."""
+def servers_and_config(command: str, config_path: str, *, temporary_prefect: bool):
+    """The validated config, once the MLflow and Prefect servers the command will use have
+    answered: those the environment names first (a dead one costs minutes of retries later,
+    after the workspace is written), then those of the config and the Prefect profile."""
     from posttrain.config import load_config
+    from posttrain.probe import check_prefect, check_tracking, profile_api_url
 
-    from prefect.settings import get_current_settings
+    env_tracking, env_prefect = os.environ.get("MLFLOW_TRACKING_URI"), os.environ.get("PREFECT_API_URL")
+    check_tracking(env_tracking, command=command)
+    check_prefect(env_prefect, command=command, temporary_ok=temporary_prefect)
+    config = load_config(config_path)
+    if not env_tracking:
+        check_tracking(config.tracking.uri, command=command, source=f"tracking.uri in {config_path}")
+    if not env_prefect:
+        check_prefect(profile_api_url(), command=command, temporary_ok=temporary_prefect)
+    return config
 
+
+def serve_workspace(args) -> None:
+    """Check the workspace, the servers and the schedule, then serve until stopped."""
     if not os.path.isfile(os.path.join(args.workdir, "dvc.yaml")):
         raise UserError(f"posttrain serve --workdir {args.workdir}", "no dvc.yaml there",
                         "pass a posttrain workspace (this repository, or runs/<name>)")
-    load_config(os.path.join(args.workdir, PARAMS_FILE))
+    servers_and_config("serve", os.path.join(args.workdir, PARAMS_FILE), temporary_prefect=False)
+    from prefect.settings import get_current_settings
+
     if not get_current_settings().api.url:  # an ephemeral API runs no scheduler: runs would never come due
         raise UserError("posttrain serve", "PREFECT_API_URL is not set",
                         "start a server (`prefect server start`) and export PREFECT_API_URL=http://HOST:4200/api")
@@ -221,14 +242,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return dispatch(build_parser().parse_args(argv))
     except UserError as err:
-        print(f"posttrain: error: {err}", file=sys.stderr)
-        return 2
+        return refuse("error", err, 2)
     except GateFailure as err:
-        print(f"posttrain: gate failed: {err}", file=sys.stderr)
-        return 3
+        return refuse("gate failed", err, 3)
     except ReplayError as err:
-        print(f"posttrain: replay failed: {err}", file=sys.stderr)
-        return 4
+        return refuse("replay failed", err, 4)
+
+
+def refuse(kind: str, err: Exception, code: int) -> int:
+    """Print the one-line reason, passwords masked (library errors quote URIs whole)."""
+    print(redact_text(f"posttrain: {kind}: {err}"), file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ recorded; the compared runs are never modified.
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from posttrain import stats
 from posttrain.errors import UserError
 
 ALIASES = ("champion", "challenger")
+PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".eps", ".ps")
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 _PASS = re.compile(r"^evaluate\.grpo\.pass_at_k\.(\d+)$")
 
@@ -33,7 +35,9 @@ def resolve(client, ref: str, model_name: str):
     if ref in ALIASES:
         try:
             version = client.get_model_version_by_alias(model_name, ref)
-        except MlflowException:
+        except MlflowException as err:
+            if err.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                raise store_failure(f"posttrain compare {ref}", err) from None
             raise UserError(f"posttrain compare {ref}", f"no version of registered model {model_name!r} has the "
                             f"alias {ref!r}", "pass a run id, or register and promote a model first") from None
         ref = version.run_id
@@ -49,8 +53,47 @@ def get_run(client, run_id: str, where: str, fix: str, problem: str = "not a run
         raise UserError(where, problem, fix)
     try:
         return client.get_run(run_id)
-    except MlflowException:
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise store_failure(where, err) from None
         raise UserError(where, "no such run in the tracking store", "check the run id and MLFLOW_TRACKING_URI") from None
+
+
+def store_failure(where: str, err) -> UserError:
+    """The tracking store failed (as opposed to not holding the run): its first line, redacted."""
+    from posttrain.redact import redact_text
+
+    first = redact_text(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
+    return UserError(where, f"the tracking store failed: {first[:300]}",
+                     "check that the tracking server is up and MLFLOW_TRACKING_URI / --tracking-uri names it")
+
+
+def check_out(out: str) -> None:
+    """UserError unless the plot can be written at `out` (checked before any other work):
+    a known image suffix, not a folder, and the nearest existing folder above it writable
+    (missing folders are created when the plot is written)."""
+    import tempfile
+
+    path = Path(out).absolute()
+    where = f"posttrain compare --out {out}"
+    if path.suffix.lower() not in PLOT_FORMATS:
+        raise UserError(where, "not an image file name", f"end it with one of {', '.join(PLOT_FORMATS)}")
+    if path.is_dir():
+        raise UserError(where, "is a folder", "pass a file name, e.g. compare.png")
+    folder = path.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserError(where, f"{folder} is a file, not a folder", "pass a path under a folder")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".posttrain-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+        if path.exists() and not os.access(path, os.W_OK):
+            raise PermissionError(f"{path} is read-only")
+    except OSError as err:
+        raise UserError(where, f"cannot write there ({err.strerror or err})",
+                        "pass --out in a folder you can write to") from None
 
 
 def differing_params(runs) -> dict[str, list]:

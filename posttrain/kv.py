@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
+GIB = 2**30
 ATTENTION_LAYERS = {"full_attention", "attention", "sliding_attention", "chunked_attention"}
 
 
@@ -37,8 +38,47 @@ class KVSpec:
 
 
 def text_config(config: dict) -> dict:
-    """The language model's part of a (possibly multimodal) config."""
-    return config.get("text_config") or config
+    """The language model's part of a (possibly multimodal) config; ValueError when it is
+    not a JSON object."""
+    cfg = (config.get("text_config") or config) if isinstance(config, dict) else config
+    if not isinstance(cfg, dict):
+        raise ValueError("the config is not a JSON object")
+    return cfg
+
+
+def positive(cfg: dict, field: str, default=None) -> int:
+    """`cfg[field]` (`default` where it is absent or null) as a whole number >= 1; KeyError
+    when absent without a default, ValueError when not such a number."""
+    value = default if default is not None and cfg.get(field) is None else cfg[field]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value != int(value) or value < 1:
+        raise ValueError(f"{field} must be a whole number of at least 1, got {value!r}")
+    return int(value)
+
+
+def head_counts(config: dict) -> tuple[int, int]:
+    """(query heads, KV heads): both at least 1, and the KV heads dividing the query heads."""
+    cfg = text_config(config)
+    heads = positive(cfg, "num_attention_heads")
+    kv_heads = positive(cfg, "num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ValueError(f"num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}")
+    return heads, kv_heads
+
+
+def tp_fits(config: dict, tp: int) -> bool:
+    """Whether vLLM can split the model over `tp` GPUs: `tp` divides the query heads, and
+    divides the KV heads or is a multiple of them (each GPU then holds a replica of one).
+    MLA's latent is not split, so only the query heads count there."""
+    heads, kv_heads = head_counts(config)
+    if tp < 1 or heads % tp:
+        return False
+    return bool(text_config(config).get("kv_lora_rank")) or (kv_heads % tp if tp <= kv_heads else tp % kv_heads) == 0
+
+
+def tp_sizes(config: dict, up_to: int = 64) -> list[int]:
+    """The tensor-parallel sizes up to `up_to` that `tp_fits` (what an error offers instead)."""
+    return [tp for tp in range(1, up_to + 1) if tp_fits(config, tp)]
 
 
 def kv_dtype_bytes(config: dict, kv_dtype: str = "auto") -> int:
@@ -50,19 +90,27 @@ def kv_dtype_bytes(config: dict, kv_dtype: str = "auto") -> int:
 
 
 def kv_spec(config: dict, *, tp: int = 1, kv_dtype: str = "auto") -> KVSpec:
-    """The per-GPU KV layout of a Hugging Face config (GQA/MHA, MLA, sliding, hybrid)."""
+    """The per-GPU KV layout of a Hugging Face config (GQA/MHA, MLA, sliding, hybrid).
+    ValueError when a count the layout needs is not a whole number >= 1, or `tp` does not fit."""
     cfg = text_config(config)
     dtype_bytes = kv_dtype_bytes(cfg, kv_dtype)
-    layers = int(cfg["num_hidden_layers"])
+    layers = positive(cfg, "num_hidden_layers")
+    heads, kv_heads = head_counts(cfg)
+    if not tp_fits(cfg, tp):
+        raise ValueError(f"tensor parallel size {tp} does not split {heads} attention heads / {kv_heads} KV heads")
     if cfg.get("kv_lora_rank"):  # MLA: one latent "head" per token per layer, not split by TP
-        per_layer = (int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim", 0))) * dtype_bytes
+        rope = positive(cfg, "qk_rope_head_dim") if cfg.get("qk_rope_head_dim") else 0
+        return KVSpec(layers, 0, None, 0, (positive(cfg, "kv_lora_rank") + rope) * dtype_bytes)
+    head_dim = positive(cfg, "head_dim") if cfg.get("head_dim") else positive(cfg, "hidden_size") // heads
+    if head_dim < 1:
+        raise ValueError(f"hidden_size {cfg['hidden_size']} is smaller than num_attention_heads {heads}")
+    per_layer = 2 * max(1, kv_heads // tp) * head_dim * dtype_bytes
+    types = cfg.get("layer_types")
+    if types is None:  # all full attention; no list of `layers` entries (a hostile count would exhaust memory)
         return KVSpec(layers, 0, None, 0, per_layer)
-    heads = int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-    kv_heads = max(1, int(cfg.get("num_key_value_heads") or heads) // tp)
-    per_layer = 2 * kv_heads * head_dim * dtype_bytes
-    types = cfg.get("layer_types") or ["full_attention"] * layers
-    window = cfg.get("sliding_window")
+    if not isinstance(types, list):
+        raise ValueError("layer_types must be a list of layer kinds")
+    window = positive(cfg, "sliding_window") if cfg.get("sliding_window") else None
     sliding = sum(t in {"sliding_attention", "chunked_attention"} for t in types) if window else 0
     full = sum(t in ATTENTION_LAYERS for t in types) - sliding
     return KVSpec(full, sliding, window if sliding else None, len(types) - full - sliding, per_layer)
@@ -94,14 +142,30 @@ def estimate_params(config: dict) -> int:
 
 def weight_bytes(model_dir: str | Path, config: dict) -> int:
     """Bytes of weights as served: safetensors headers' element counts (or, with no
-    weights in the folder, `estimate_params`) x the served dtype's size."""
+    weights in the folder, `estimate_params`) x the served dtype's size.
+    ValueError names a file whose header is not a safetensors header."""
     dtype_bytes = kv_dtype_bytes(text_config(config), "auto")
     elements = 0
     for file in Path(model_dir).glob("*.safetensors"):
-        with open(file, "rb") as fh:
-            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
-        elements += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+        try:
+            with open(file, "rb") as fh:
+                header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+            elements += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+        except (struct.error, ValueError, KeyError, TypeError, AttributeError, MemoryError) as err:
+            raise ValueError(f"{file.name} has no readable safetensors header ({type(err).__name__})") from None
     return (elements or estimate_params(config)) * dtype_bytes
+
+
+def kv_memory_for(model_dir: str | Path, config: dict, *, profile: dict | None = None, utilization: float = 0.92,
+                  tp: int = 1, kv_dtype: str = "auto", kv_memory_bytes: int | None = None) -> tuple:
+    """(KV spec, weights' bytes per GPU, KV memory per GPU) of a model split over `tp` GPUs
+    of `profile` (`load_gpu_profile`), or with exactly `kv_memory_bytes` of KV memory."""
+    spec = kv_spec(config, tp=tp, kv_dtype=kv_dtype)
+    weights = weight_bytes(model_dir, config) // tp
+    if kv_memory_bytes is None:
+        kv_memory_bytes = kv_memory_on_gpu(int(profile["memory_gib"] * GIB), utilization, weights,
+                                           int(profile["reserve_gib"] * GIB))
+    return spec, weights, kv_memory_bytes
 
 
 @dataclass(frozen=True)
@@ -171,11 +235,22 @@ def concurrency_by_context(spec: KVSpec, *, kv_memory_bytes: int, block_size: in
 
 
 def load_gpu_profile(gpus_path: str, name: str) -> dict:
+    """The profile `name` of a GPU profiles file: `memory_gib` and `reserve_gib` (GiB per GPU)."""
     import yaml
 
     from posttrain.errors import UserError
 
-    profiles = yaml.safe_load(open(gpus_path)) if Path(gpus_path).is_file() else {}
-    if name not in profiles:
-        raise UserError(f"{gpus_path}", f"unknown GPU profile {name!r}", f"use one of {sorted(profiles)}")
-    return profiles[name]
+    try:
+        profiles = yaml.safe_load(Path(gpus_path).read_text()) if Path(gpus_path).is_file() else {}
+    except (yaml.YAMLError, OSError, ValueError) as err:
+        raise UserError(f"{gpus_path}", f"not a readable YAML file ({type(err).__name__})",
+                        "fix the GPU profiles file") from None
+    if not isinstance(profiles, dict) or name not in profiles:
+        known = sorted(map(str, profiles)) if isinstance(profiles, dict) else []
+        raise UserError(f"{gpus_path}", f"unknown GPU profile {name!r}", f"use one of {known}")
+    profile = profiles[name]
+    sizes = [profile.get(k) for k in ("memory_gib", "reserve_gib")] if isinstance(profile, dict) else [None]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 2**20 for v in sizes):
+        raise UserError(f"{gpus_path}: {name}", "needs memory_gib and reserve_gib, each a size in GiB",
+                        "give both as numbers, e.g. memory_gib: 80, reserve_gib: 4")
+    return profile

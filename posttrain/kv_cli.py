@@ -6,47 +6,60 @@ import json
 from pathlib import Path
 
 from posttrain.errors import UserError
-from posttrain.kv import capacity, kv_memory_on_gpu, kv_spec, load_config_json, load_gpu_profile, weight_bytes
+from posttrain.kv import GIB, capacity, kv_memory_for, kv_spec, load_config_json, load_gpu_profile, tp_fits, tp_sizes
 
-GIB = 2**30
+LARGEST = 2**40  # bound on every count and size: no model or GPU comes near, and the arithmetic stays exact
 
 
 def _check_numbers(args) -> None:
-    for flag, value, low in [("--context", args.context, 1), ("--tp", args.tp, 1), ("--block-size", args.block_size, 1),
-                             ("--kv-memory-gib", args.kv_memory_gib, 0),
-                             ("--gpu-memory-utilization", args.gpu_memory_utilization, 0)]:
-        if value is not None and value < low:
-            raise UserError(f"posttrain kv {flag}", f"must be at least {low}, got {value}", "pass a positive value")
-    if args.gpu_memory_utilization > 1:
-        raise UserError("posttrain kv --gpu-memory-utilization", "must be at most 1", "pass a fraction such as 0.92")
+    """Whole numbers >= 1, KV memory a finite size >= 0 GiB, utilisation in (0, 1]; NaN fails every test."""
+    for flag, value in [("--context", args.context), ("--tp", args.tp), ("--block-size", args.block_size)]:
+        if not 1 <= value <= LARGEST:
+            raise UserError(f"posttrain kv {flag}", f"must be between 1 and {LARGEST:,}, got {value}",
+                            "pass a positive whole number")
+    gib = args.kv_memory_gib
+    if gib is not None and not 0 <= gib <= 2**20:
+        raise UserError("posttrain kv --kv-memory-gib", f"must be a size between 0 and {2**20:,} GiB, got {gib}",
+                        "pass the KV memory per GPU in GiB, e.g. 40")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise UserError("posttrain kv --gpu-memory-utilization",
+                        f"must be a fraction above 0 and at most 1, got {args.gpu_memory_utilization}",
+                        "pass a fraction such as 0.92")
 
 
-def _read_model_config(model: str) -> dict:
+def _read_model_config(model: str, tp: int) -> dict:
+    """The model's config.json, checked: its layout is computable and `tp` splits its heads."""
     path = Path(model)
     if not (path / "config.json" if path.is_dir() else path).is_file():
         raise UserError(model, "no config.json found", "pass a model folder or a config.json path")
     try:
         config = load_config_json(model)
         kv_spec(config)
-    except (KeyError, ValueError, TypeError) as err:
-        raise UserError(model, f"config lacks a field the estimate needs ({err})",
+    except (KeyError, ValueError, TypeError, ArithmeticError, OSError) as err:
+        detail = f"no {err}" if isinstance(err, KeyError) else str(err)[:200]
+        raise UserError(model, f"config lacks a usable value the estimate needs ({detail})",
                         "pass a decoder model's config.json") from None
+    if not tp_fits(config, tp):
+        raise UserError(f"posttrain kv --tp {tp}", f"{tp} GPUs cannot split the model's attention heads evenly "
+                        "(vLLM needs TP to divide the query heads, and divide or be a multiple of the KV heads)",
+                        f"use one of {tp_sizes(config)}")
     return config
 
 
 def estimate(args) -> dict:
     """The capacity report for the parsed `posttrain kv` arguments."""
     _check_numbers(args)
-    config = _read_model_config(args.model)
-    spec = kv_spec(config, tp=args.tp, kv_dtype=args.kv_dtype)
+    config = _read_model_config(args.model, args.tp)
     model_dir = Path(args.model) if Path(args.model).is_dir() else Path(args.model).parent
-    weights = weight_bytes(model_dir, config) // args.tp
-    if args.kv_memory_gib is not None:
-        kv_memory = int(args.kv_memory_gib * GIB)
-    else:
-        gpu = load_gpu_profile(args.gpus, args.gpu)
-        kv_memory = kv_memory_on_gpu(int(gpu["memory_gib"] * GIB), args.gpu_memory_utilization,
-                                     weights, int(gpu["reserve_gib"] * GIB))
+    kv_memory = None if args.kv_memory_gib is None else int(args.kv_memory_gib * GIB)
+    profile = None if kv_memory is not None else load_gpu_profile(args.gpus, args.gpu)
+    try:
+        spec, weights, kv_memory = kv_memory_for(model_dir, config, profile=profile, tp=args.tp,
+                                                 utilization=args.gpu_memory_utilization, kv_dtype=args.kv_dtype,
+                                                 kv_memory_bytes=kv_memory)
+    except (KeyError, ValueError, TypeError, ArithmeticError) as err:
+        raise UserError(str(model_dir), f"weights' size not computable ({str(err)[:200]})",
+                        "pass a folder with a decoder model's config.json and safetensors files") from None
     cap = capacity(spec, kv_memory_bytes=kv_memory, block_size=args.block_size, context_length=args.context)
     return {**cap.__dict__, "weights_bytes": weights, "session_kv_bytes": spec.session_bytes(args.context),
             "full_attention_layers": spec.full_layers, "sliding_layers": spec.sliding_layers,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from posttrain.redact import redact_uri
 from posttrain.stats import format_p
+
+redact = redact_uri  # the name flows/retrain.py imports it by
 
 
 def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
@@ -13,17 +16,7 @@ def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
     parts = urlsplit(tracking_uri)
     if parts.scheme in ("http", "https"):
         return f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path.rstrip('/')}/{path}"
-    return f"http://127.0.0.1:5000/{path} (after `mlflow ui --backend-store-uri {redact(tracking_uri)}`)"
-
-
-def redact(uri: str) -> str:
-    """`uri` without a password (`postgresql://user:secret@host/db` -> `postgresql://user:***@host/db`)."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(uri)
-    if not parts.password:
-        return uri
-    return urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)))
+    return f"http://127.0.0.1:5000/{path} (after `mlflow ui --backend-store-uri {redact_uri(tracking_uri)}`)"
 
 
 def figure(value: float, ci: list[float] | None) -> str:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from posttrain.kv import capacity, concurrency_by_context, estimate_params, kv_spec, paging
+from posttrain.kv import capacity, concurrency_by_context, estimate_params, kv_spec, paging, tp_sizes
 
 LLAMA_31_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                "hidden_size": 4096, "torch_dtype": "bfloat16"}
@@ -88,3 +88,37 @@ def test_concurrency_halves_as_the_context_doubles():
 ])
 def test_parameter_estimate_from_config_alone(config, billions):
     assert estimate_params(config) / 1e9 == pytest.approx(billions, rel=0.02)
+
+
+@pytest.mark.parametrize("config,sizes", [
+    (TINY, [1, 2, 4]),                                   # 4 heads, 2 KV heads: 4 GPUs hold a replica of one KV head each
+    (LLAMA_31_8B, [1, 2, 4, 8, 16, 32]),                 # 32 heads, 8 KV heads
+    ({**TINY, "num_attention_heads": 12, "num_key_value_heads": 4, "hidden_size": 768}, [1, 2, 4, 12]),  # 6 splits 12, not 4
+    (DEEPSEEK_V3, [1, 2, 4, 8, 16, 32, 64]),             # MLA: only the 128 query heads are split
+])
+def test_tensor_parallel_sizes_vllm_accepts(config, sizes):
+    assert tp_sizes(config) == sizes
+
+
+@pytest.mark.parametrize("config,message", [
+    ({**TINY, "num_attention_heads": 0}, "num_attention_heads"),            # 0 heads: was a ZeroDivisionError
+    ({**TINY, "num_attention_heads": -4}, "num_attention_heads"),           # negative
+    ({**TINY, "num_key_value_heads": 3}, "num_key_value_heads"),            # 3 KV heads cannot serve 4 heads
+    ({**TINY, "num_hidden_layers": float("inf")}, "num_hidden_layers"),     # JSON's Infinity
+    ({**TINY, "hidden_size": 2}, "hidden_size"),                            # head_dim 0
+    ({**TINY, "sliding_window": "4k", "layer_types": ["sliding_attention"] * 4}, "sliding_window"),  # not a count
+    ([TINY], "JSON object"),                                                # a list, not a config
+])
+def test_unusable_config_is_a_value_error(config, message):
+    with pytest.raises(ValueError, match=message):
+        kv_spec(config)
+
+
+def test_tensor_parallel_size_must_split_the_heads():
+    with pytest.raises(ValueError, match="tensor parallel size 3"):
+        kv_spec(TINY, tp=3)
+
+
+def test_a_huge_layer_count_costs_no_memory():
+    # no list of 10**12 layer kinds is built: the estimate is arithmetic
+    assert kv_spec({**TINY, "num_hidden_layers": 10**12}).full_layers == 10**12
