@@ -8,29 +8,26 @@ block count, KV cache tokens and maximum concurrency must equal the prediction.
 
 from __future__ import annotations
 
-import mlflow
-
-from posttrain.errors import GateFailure, PredictionMismatch
-from posttrain.io import final_model_dir, read_json, read_jsonl, resolve_model_dir, write_json
 import importlib.util
 
-from posttrain.kv import (capacity, concurrency_by_context, kv_memory_on_gpu, kv_spec, load_config_json,
-                          load_gpu_profile, paging, weight_bytes)
-from posttrain.tracking import log_json_artifact, stage_run
+import mlflow
 
-GIB = 2**30
+from posttrain import kv
+from posttrain.errors import GateFailure, PredictionMismatch
+from posttrain.io import final_model_dir, read_json, read_jsonl, resolve_model_dir, write_json
+from posttrain.kv import capacity, concurrency_by_context, kv_spec, load_config_json, load_gpu_profile, paging
+from posttrain.tracking import log_json_artifact, stage_run
 
 
 CONTEXTS = [2**i for i in range(9, 18)]  # 512 .. 131,072 tokens: the concurrency plot's x axis
 
 
 def kv_memory_for(model_dir: str, serving, profile: dict) -> tuple:
-    """(KV spec, weights' bytes per GPU, KV memory per GPU) of a model on a GPU profile."""
-    config = load_config_json(model_dir)
-    spec = kv_spec(config, tp=serving.tensor_parallel_size, kv_dtype=serving.kv_dtype)
-    weights = weight_bytes(model_dir, config) // serving.tensor_parallel_size
-    return spec, weights, kv_memory_on_gpu(int(profile["memory_gib"] * GIB), serving.gpu_memory_utilization,
-                                           weights, int(profile["reserve_gib"] * GIB))
+    """(KV spec, weights' bytes per GPU, KV memory per GPU) of a model on a GPU profile, as
+    `serving:` configures it (the same arithmetic as `posttrain kv`)."""
+    return kv.kv_memory_for(model_dir, load_config_json(model_dir), profile=profile,
+                            utilization=serving.gpu_memory_utilization, tp=serving.tensor_parallel_size,
+                            kv_dtype=serving.kv_dtype)
 
 
 def predict(model_dir: str, serving, profile: dict) -> dict:
