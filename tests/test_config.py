@@ -1,20 +1,40 @@
-"""The config schema: every shipped YAML loads; bad input is one clear line."""
+"""The config schema: every shipped YAML loads; bad input is one clear line.
 
+The hostile inputs of issue 12 (through `check` and `run`) are in test_hardening_config.py.
+"""
+
+import functools
 from pathlib import Path
 
 import pytest
 import yaml
 
-from posttrain.config import load_config
+from posttrain.config import load_config, read_config_dict
 from posttrain.errors import UserError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PIPELINES = [p for p in sorted(CONFIGS.glob("*.yaml")) if p.name != "gpus.yaml"]
 
 
+def leaves(tree: dict, keys: tuple = ()):
+    """(key path, value) of every leaf of a nested dict."""
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            yield from leaves(value, (*keys, key))
+        else:
+            yield (*keys, key), value
+
+
 @pytest.mark.parametrize("path", PIPELINES, ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
-    load_config(path)
+    """Every value the file sets (after `extends`) is the loaded config's value, and the
+    GRPO stages keep the file's order."""
+    raw = read_config_dict(path)
+    config = load_config(path)
+    loaded = config.model_dump(by_alias=True)
+    for keys, value in leaves(raw):
+        assert functools.reduce(lambda tree, key: tree[key], keys, loaded) == value, ".".join(keys)
+    assert list(config.grpo) == list(raw["grpo"]) and config.data.env == raw["data"]["env"]
 
 
 def write(tmp_path, text: str) -> Path:
@@ -63,3 +83,31 @@ def test_extends_merges_mappings_and_replaces_lists(tmp_path):
     config = load_config(write(tmp_path, "evaluate: {k: [1, 2]}\n"))
     base = yaml.safe_load((CONFIGS / "pipeline.yaml").read_text())
     assert config.evaluate.k == [1, 2] and config.evaluate.n_samples == base["evaluate"]["n_samples"]
+
+
+@pytest.mark.parametrize("text", [
+    "promotion: {metric: evaluate.grpo.pass_at_k.8}\n",                      # the final model's pass@8
+    "promotion: {metric: evaluate.grpo.dense.greedy_accuracy_ci95.low}\n",   # one stage's interval
+    "promotion: {metric: evaluate.base.n_prompts}\n",                        # the base model's figure
+    "promotion: {metric: grpo.dense.train_seconds}\n",                       # a stage's own metric
+    "promotion: {metric: serving.max_concurrency, model_name: my-model.v2}\n",  # a serving figure; a dotted name
+    "tracking: {uri: 'sqlite:///elsewhere.db'}\n",                           # another SQLite store
+    "tracking: {uri: 'postgresql+psycopg2://db.example/mlflow'}\n",          # SQLAlchemy dialect+driver
+    "tracking: {uri: 'https://mlflow.example:5000'}\n",                      # a server, credentials in env
+    "tracking: {uri: ./mlruns}\n",                                           # a plain folder
+    "serving: {tensor_parallel_size: 4}\n",                                  # 4 heads; 2 KV heads replicated
+    "serving: {vllm_check: {dtype: bfloat16}}\n",                            # a vLLM dtype
+    "data: {options: {ops: ['+', '*'], completion_format: ' {answer}'}}\n",  # two ops; a formatted target
+    "sft: {trl: {lr_scheduler_type: cosine, num_train_epochs: 2, learning_rate: 3}}\n",  # ints where TRL has floats
+])
+def test_accepted_variants(tmp_path, text):
+    load_config(write(tmp_path, text))
+
+
+def test_gpu_profiles_beside_the_config_come_first(tmp_path):
+    path = write(tmp_path, "serving: {gpu: MyGPU}\n")
+    (tmp_path / "gpus.yaml").write_text("MyGPU: {memory_gib: 10, reserve_gib: 1}\n")
+    assert load_config(path, check_trl=False).serving.gpu == "MyGPU"
+    (tmp_path / "gpus.yaml").unlink()  # the package's profiles know no MyGPU
+    with pytest.raises(UserError, match="serving.gpu: unknown GPU profile 'MyGPU'"):
+        load_config(path, check_trl=False)

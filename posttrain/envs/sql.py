@@ -22,6 +22,10 @@ from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
+from pydantic import Field, field_validator
+
+from posttrain.envs.base import EnvOptions
+from posttrain.errors import OptionError, invalid
 from posttrain.sandbox import QueryError, run_query
 
 DEPTS = ["sales", "ops", "hr", "it", "legal", "ads"]
@@ -66,26 +70,51 @@ def build_database(path: Path, *, employees: int, seed: int) -> None:
     os.replace(tmp, path)
 
 
+def questions() -> list[tuple[str, str]]:
+    """(question, gold query) for every template, department and threshold."""
+    return [(question.format(d=dept, n=n), gold.format(d=dept, n=n))
+            for question, gold, values in TEMPLATES
+            for dept in (DEPTS if "{d}" in question else [None])
+            for n in (values if values is not None else [None])]
+
+
+class SQLOptions(EnvOptions):
+    """`data.options` of the SQL environment."""
+    employees: int = Field(30, ge=1, le=len(NAMES), description="Rows of the `emp` table.")
+    db_seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of the generated table.")
+    heldout_size: int = Field(150, ge=0, description="Questions held out for evaluation; the rest train.")
+    timeout_s: float = Field(1.0, gt=0, le=60, description="Time limit of one query in the sandbox (seconds).")
+    db_dir: str | None = Field(None, min_length=1, description="Folder of the database file; null = the "
+                                                                "system's temporary folder.")
+
+    @field_validator("heldout_size")
+    @classmethod
+    def _rows_left_to_train(cls, heldout_size):
+        rows = len(questions())
+        if heldout_size >= rows:
+            raise invalid(f"{heldout_size} leaves none of the {rows} questions to train on", f"use at most {rows - 1}")
+        return heldout_size
+
+
 class SQLEnv:
     name = "sql"
+    Options = SQLOptions
 
     def __init__(self, employees: int = 30, db_seed: int = 0, heldout_size: int = 150,
                  timeout_s: float = 1.0, db_dir: str | None = None):
-        if not 1 <= employees <= len(NAMES):
-            raise TypeError(f"employees must be between 1 and {len(NAMES)}, got {employees}")
         self.employees, self.db_seed, self.heldout_size, self.timeout_s = employees, db_seed, heldout_size, timeout_s
         digest = hashlib.sha256(f"{DB_VERSION}|{SCHEMA}|{employees}|{db_seed}|{NAMES}|{DEPTS}".encode()).hexdigest()[:12]
         self.db_path = Path(db_dir or tempfile.gettempdir()) / f"posttrain-sql-{digest}.db"
         if not self.db_path.is_file():
-            build_database(self.db_path, employees=employees, seed=db_seed)
+            try:
+                build_database(self.db_path, employees=employees, seed=db_seed)
+            except (OSError, sqlite3.Error) as err:
+                raise OptionError("db_dir", f"cannot write the database there ({getattr(err, 'strerror', None) or err})",
+                                  "use a writable folder, or null for the system's temporary folder") from None
 
     def generate(self, seed: int) -> dict[str, list[dict]]:
         """Every template filled with every department and threshold, split train / heldout."""
-        rows = []
-        for question, gold, values in TEMPLATES:
-            for dept in (DEPTS if "{d}" in question else [None]):
-                for n in (values if values is not None else [None]):
-                    rows.append(self.row(question.format(d=dept, n=n), gold.format(d=dept, n=n)))
+        rows = [self.row(question, gold) for question, gold in questions()]
         random.Random(seed).shuffle(rows)
         return {"train": rows[self.heldout_size:], "heldout": rows[:self.heldout_size]}
 
