@@ -13,6 +13,7 @@ import sys
 
 from posttrain.errors import GateFailure, ReplayError, UserError
 from posttrain.io import PARAMS_FILE
+from posttrain.profiles import PACKAGED as PACKAGED_PROFILES
 from posttrain.redact import redact_text
 
 # Offline by default: real models are local paths; Prefect and DVC send no telemetry.
@@ -86,7 +87,7 @@ def add_kv_parser(sub) -> None:
     kv = sub.add_parser("kv", help="KV-cache capacity of a model on a GPU, from its config.json")
     kv.add_argument("model", help="model folder or config.json")
     kv.add_argument("--gpu", default="H100-80GB")
-    kv.add_argument("--gpus", default=os.path.join(os.path.dirname(__file__), "gpus.yaml"), help="GPU profiles file")
+    kv.add_argument("--gpus", default=str(PACKAGED_PROFILES), help="GPU profiles file (default: the packaged ones)")
     kv.add_argument("--kv-memory-gib", type=float, help="KV memory per GPU, exactly (vLLM kv_cache_memory_bytes)")
     kv.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     kv.add_argument("--context", type=int, default=8192)

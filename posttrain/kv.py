@@ -159,7 +159,7 @@ def weight_bytes(model_dir: str | Path, config: dict) -> int:
 def kv_memory_for(model_dir: str | Path, config: dict, *, profile: dict | None = None, utilization: float = 0.92,
                   tp: int = 1, kv_dtype: str = "auto", kv_memory_bytes: int | None = None) -> tuple:
     """(KV spec, weights' bytes per GPU, KV memory per GPU) of a model split over `tp` GPUs
-    of `profile` (`load_gpu_profile`), or with exactly `kv_memory_bytes` of KV memory."""
+    of `profile` (`posttrain.profiles.load_gpu_profile`), or with exactly `kv_memory_bytes` of KV memory."""
     spec = kv_spec(config, tp=tp, kv_dtype=kv_dtype)
     weights = weight_bytes(model_dir, config) // tp
     if kv_memory_bytes is None:
@@ -232,25 +232,3 @@ def concurrency_by_context(spec: KVSpec, *, kv_memory_bytes: int, block_size: in
     return [{"context_length": n, "max_concurrency": capacity(spec, kv_memory_bytes=kv_memory_bytes,
                                                               block_size=block_size, context_length=n).max_concurrency}
             for n in contexts]
-
-
-def load_gpu_profile(gpus_path: str, name: str) -> dict:
-    """The profile `name` of a GPU profiles file: `memory_gib` and `reserve_gib` (GiB per GPU)."""
-    import yaml
-
-    from posttrain.errors import UserError
-
-    try:
-        profiles = yaml.safe_load(Path(gpus_path).read_text()) if Path(gpus_path).is_file() else {}
-    except (yaml.YAMLError, OSError, ValueError) as err:
-        raise UserError(f"{gpus_path}", f"not a readable YAML file ({type(err).__name__})",
-                        "fix the GPU profiles file") from None
-    if not isinstance(profiles, dict) or name not in profiles:
-        known = sorted(map(str, profiles)) if isinstance(profiles, dict) else []
-        raise UserError(f"{gpus_path}", f"unknown GPU profile {name!r}", f"use one of {known}")
-    profile = profiles[name]
-    sizes = [profile.get(k) for k in ("memory_gib", "reserve_gib")] if isinstance(profile, dict) else [None]
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 2**20 for v in sizes):
-        raise UserError(f"{gpus_path}: {name}", "needs memory_gib and reserve_gib, each a size in GiB",
-                        "give both as numbers, e.g. memory_gib: 80, reserve_gib: 4")
-    return profile

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from posttrain.errors import UserError
-from posttrain.kv import GIB, capacity, kv_memory_for, kv_spec, load_config_json, load_gpu_profile, tp_fits, tp_sizes
+from posttrain.kv import GIB, capacity, kv_memory_for, kv_spec, load_config_json, tp_fits, tp_sizes
+from posttrain.profiles import load_gpu_profile
 
 LARGEST = 2**40  # bound on every count and size: no model or GPU comes near, and the arithmetic stays exact
 

@@ -36,3 +36,15 @@ def load_profiles(path: str | Path) -> dict[str, dict]:
     except ValidationError as err:
         raise schema_error(str(path), err) from None
     return {name: profile.model_dump() for name, profile in profiles.items()}
+
+
+def load_gpu_profile(path: str | Path, name: str) -> dict:
+    """The profile `name` in the profiles file `path`: `memory_gib` and `reserve_gib`."""
+    from posttrain.errors import UserError
+
+    if not Path(path).is_file():
+        raise UserError(str(path), "GPU profiles file not found", f"pass an existing file, e.g. {PACKAGED}")
+    profiles = load_profiles(path)
+    if name not in profiles:
+        raise UserError(str(path), f"unknown GPU profile {name[:60]!r}", f"use one of {sorted(profiles)}")
+    return profiles[name]

@@ -15,7 +15,8 @@ import mlflow
 from posttrain import kv
 from posttrain.errors import GateFailure, PredictionMismatch
 from posttrain.io import final_model_dir, read_json, read_jsonl, resolve_model_dir, write_json
-from posttrain.kv import capacity, concurrency_by_context, kv_spec, load_config_json, load_gpu_profile, paging
+from posttrain.profiles import load_gpu_profile
+from posttrain.kv import capacity, concurrency_by_context, kv_spec, load_config_json, paging
 from posttrain.tracking import log_json_artifact, stage_run
 
 
