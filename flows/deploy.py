@@ -47,6 +47,6 @@ def serve_nightly(deployment) -> None:
 if __name__ == "__main__":
     import sys
 
-    from posttrain.cli import main
+    from flows.cli import main
 
     sys.exit(main(["serve", *sys.argv[1:]]))

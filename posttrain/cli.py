@@ -12,7 +12,6 @@ import os
 import sys
 
 from posttrain.errors import GateFailure, ReplayError, UserError
-from posttrain.io import PARAMS_FILE
 from posttrain.profiles import PACKAGED as PACKAGED_PROFILES
 from posttrain.redact import redact_text
 
@@ -24,15 +23,9 @@ OFFLINE_DEFAULTS = {
 }
 
 
-# Path arguments of each stage command; dvc.yaml names the paths, the stage's main takes them.
-STAGE_ARGS = {
-    "prepare": ["data_dir", "datasets_dir", "model_dir", "metrics_path"],
-    "sft": ["data_dir", "base_dir", "out_dir", "checkpoint_dir", "metrics_path", "curve_path"],
-    "grpo": ["name", "data_dir", "init_dir", "out_dir", "checkpoint_dir", "metrics_path", "curve_path"],
-    "serving": ["data_dir", "models_dir", "gpus_path", "report_path", "metrics_path", "plot_path"],
-    "evaluate": ["data_dir", "models_dir", "metrics_path", "outcomes_path", "accuracy_plot", "pass_at_k_plot",
-                 "pass_at_k_png"],
-}
+# The pipeline stages: one module each in posttrain/stages. dvc.yaml names their paths; each
+# stage's `main(config, *, ...)` keyword arguments are the flags `posttrain stage NAME` takes.
+STAGES = ("prepare", "sft", "grpo", "serving", "evaluate")
 
 
 class Parser(argparse.ArgumentParser):
@@ -40,29 +33,20 @@ class Parser(argparse.ArgumentParser):
         raise UserError(self.prog, message, f"see '{self.prog} --help'")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(add_commands=None) -> argparse.ArgumentParser:
+    """The library's commands; `add_commands(subparsers)` adds more (the flows' `run` and
+    `serve`, from flows/cli.py: the library never imports the flows)."""
     parser = Parser(prog="posttrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     check = sub.add_parser("check", help="validate a config and exit")
     check.add_argument("--config", required=True)
-    stage = sub.add_parser("stage", help="run one pipeline stage (dvc.yaml calls this)")
-    stage_sub = stage.add_subparsers(dest="stage", required=True, parser_class=Parser)
-    for name, args in STAGE_ARGS.items():
-        one = stage_sub.add_parser(name)
-        one.add_argument("--config", required=True)
-        for arg in args:
-            one.add_argument("--" + arg.replace("_", "-"), dest=arg, required=True)
-    run = sub.add_parser("run", help="run the retrain flow (Prefect) on a workspace")
-    run.add_argument("--workdir", help="git + DVC workspace holding dvc.yaml and " + PARAMS_FILE +
-                     " (default: this folder, or runs/<config name> with --config)")
-    run.add_argument("--config", help="a variant config (e.g. configs/sql.yaml): run it in its own workspace, "
-                     "created on first use")
-    serve = sub.add_parser("serve", help="serve the retrain flow as a Prefect deployment on a cron schedule")
-    serve.add_argument("--workdir", default=".", help="the workspace each scheduled run retrains (default: here)")
-    serve.add_argument("--cron", default="0 3 * * *", help="when runs are due (cron syntax; default daily 03:00)")
-    serve.add_argument("--timezone", default="UTC")
-    serve.add_argument("--name", default="nightly", help="deployment name: runs are `retrain/<name>`; "
-                       "one name per workspace (a second serve with the same name takes the deployment over)")
+    stage = sub.add_parser("stage", help="run one pipeline stage (dvc.yaml calls this)",
+                           description="posttrain stage NAME --config FILE --PATH-FLAG VALUE ...: the path flags "
+                                       "are the stage's `main` keyword arguments (dvc.yaml passes them)")
+    stage.add_argument("stage", choices=STAGES)
+    stage.add_argument("flags", nargs=argparse.REMAINDER, help="--config FILE --data-dir data ... (see dvc.yaml)")
+    if add_commands:
+        add_commands(sub)
     replay = sub.add_parser("replay", help="rerun a recorded retrain run from its git + DVC state, compare metrics")
     replay.add_argument("run_id", metavar="RUN_ID", help="the retrain (parent) run's id")
     replay.add_argument("--scratch", help="empty folder for the checkout (default: a new temporary folder)")
@@ -104,16 +88,7 @@ def dispatch(args) -> int:
         load_config(args.config)
         print(f"{args.config}: ok")
     elif args.command == "stage":
-        config = load_config(args.config, check_trl=False)
-        kwargs = {a: getattr(args, a) for a in STAGE_ARGS[args.stage]}
-        if args.stage == "grpo" and args.name not in config.grpo:
-            raise UserError("posttrain stage grpo --name", f"no GRPO stage {kwargs['name']!r} in {args.config}",
-                            f"use one of {list(config.grpo)}")
-        import importlib
-        metrics = importlib.import_module(f"posttrain.stages.{args.stage}").main(config, **kwargs)
-        print(json.dumps(metrics, indent=2, sort_keys=True))
-    elif args.command == "run":
-        run_workspace(args)
+        run_stage(args)
     elif args.command == "compare":
         from posttrain.compare import check_out, compare
 
@@ -129,36 +104,40 @@ def dispatch(args) -> int:
         report, differ = replay(args.run_id, tracking_uri=cli_tracking_uri(args), scratch=args.scratch)
         print(report)
         return 1 if differ else 0
-    elif args.command == "serve":
-        serve_workspace(args)
     elif args.command == "kv":
         from posttrain.kv_cli import run_kv
         return run_kv(args)
     return 0
 
 
-def run_workspace(args) -> None:
-    """`posttrain run`: check the inputs, then the flow, holding the workspace's lock
-    throughout (a variant's workspace is rewritten first: not under a running flow)."""
-    from pathlib import Path
+def run_stage(args) -> None:
+    """`posttrain stage NAME --config FILE --flag value ...`: the flags checked against the
+    stage's `main` before the config is loaded, then the stage run and its metrics printed."""
+    import importlib
+    import inspect
 
-    from posttrain import workspace
-    from posttrain.config import load_config, read_config_dict
-    from posttrain.ingest import check_pending
+    from posttrain.config import load_config
 
-    workdir = args.workdir or (os.path.join("runs", Path(args.config).stem) if args.config else ".")
-    servers_and_config("run", args.config or os.path.join(workdir, PARAMS_FILE), temporary_prefect=True)
-    if args.config and not Path(workdir, "dvc.yaml").is_file():
-        workspace.create(workdir, read_config_dict(Path(args.config)))
-    if not (Path(workdir, "dvc.yaml").is_file() and Path(workdir, ".dvc").is_dir()):
-        raise UserError(f"posttrain run --workdir {workdir}", "not a DVC workspace (no dvc.yaml or .dvc/)",
-                        "run in this repository's root, or use --config FILE to create a workspace")
-    with workspace.lock(workdir, log=lambda message: print(message, file=sys.stderr, flush=True)):
-        if args.config:
-            workspace.prepare(workdir, read_config_dict(Path(args.config)))
-        check_pending(workdir, load_config(os.path.join(workdir, PARAMS_FILE)))  # bad rows: exit 2 here
-        from flows.retrain import retrain
-        retrain(workdir=workdir)
+    main = importlib.import_module(f"posttrain.stages.{args.stage}").main
+    wanted = ["config"] + [name for name, p in inspect.signature(main).parameters.items()
+                           if p.kind is p.KEYWORD_ONLY]
+    where = f"posttrain stage {args.stage}"
+    flags = args.flags
+    if len(flags) % 2 or not all(f.startswith("--") for f in flags[::2]):
+        raise UserError(where, f"expected --flag value pairs, got {' '.join(flags)[:80]!r}",
+                        f"pass {' '.join('--' + w.replace('_', '-') + ' VALUE' for w in wanted)}")
+    kwargs = {flag[2:].replace("-", "_"): value for flag, value in zip(flags[::2], flags[1::2])}
+    unknown, missing = sorted(set(kwargs) - set(wanted)), [w for w in wanted if w not in kwargs]
+    if unknown or missing:
+        problem = f"unknown flag --{unknown[0].replace('_', '-')}" if unknown else \
+            f"missing --{missing[0].replace('_', '-')}"
+        raise UserError(where, problem, f"it takes {', '.join('--' + w.replace('_', '-') for w in wanted)}")
+    config_path = kwargs.pop("config")
+    config = load_config(config_path, check_trl=False)
+    if args.stage == "grpo" and kwargs["name"] not in config.grpo:
+        raise UserError(f"{where} --name", f"no GRPO stage {kwargs['name']!r} in {config_path}",
+                        f"use one of {list(config.grpo)}")
+    print(json.dumps(main(config, **kwargs), indent=2, sort_keys=True))
 
 
 def check_stats_options(args) -> None:
@@ -191,57 +170,14 @@ def cli_tracking_uri(args) -> str:
     return uri
 
 
-def servers_and_config(command: str, config_path: str, *, temporary_prefect: bool):
-    """The validated config, once the MLflow and Prefect servers the command will use have
-    answered: those the environment names first (a dead one costs minutes of retries later,
-    after the workspace is written), then those of the config and the Prefect profile."""
-    from posttrain.config import load_config
-    from posttrain.probe import check_prefect, check_tracking, profile_api_url
-
-    env_tracking, env_prefect = os.environ.get("MLFLOW_TRACKING_URI"), os.environ.get("PREFECT_API_URL")
-    check_tracking(env_tracking, command=command)
-    check_prefect(env_prefect, command=command, temporary_ok=temporary_prefect)
-    config = load_config(config_path)
-    if not env_tracking:
-        check_tracking(config.tracking.uri, command=command, source=f"tracking.uri in {config_path}")
-    if not env_prefect:
-        check_prefect(profile_api_url(), command=command, temporary_ok=temporary_prefect)
-    return config
-
-
-def serve_workspace(args) -> None:
-    """Check the workspace, the servers and the schedule, then serve until stopped."""
-    if not os.path.isfile(os.path.join(args.workdir, "dvc.yaml")):
-        raise UserError(f"posttrain serve --workdir {args.workdir}", "no dvc.yaml there",
-                        "pass a posttrain workspace (this repository, or runs/<name>)")
-    servers_and_config("serve", os.path.join(args.workdir, PARAMS_FILE), temporary_prefect=False)
-    from prefect.settings import get_current_settings
-
-    if not get_current_settings().api.url:  # an ephemeral API runs no scheduler: runs would never come due
-        raise UserError("posttrain serve", "PREFECT_API_URL is not set",
-                        "start a server (`prefect server start`) and export PREFECT_API_URL=http://HOST:4200/api")
-    from flows.deploy import nightly, serve_nightly
-
-    import zoneinfo
-
-    try:
-        zoneinfo.ZoneInfo(args.timezone)
-    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
-        raise UserError(f"posttrain serve --timezone {args.timezone}", "unknown time zone",
-                        "give an IANA name such as UTC or Europe/Berlin") from None
-    try:
-        deployment = nightly(args.workdir, args.cron, args.timezone, args.name)
-    except ValueError as err:
-        raise UserError(f"posttrain serve --cron {args.cron!r}", str(err).splitlines()[0],
-                        "give five cron fields, e.g. '0 3 * * *'") from None
-    serve_nightly(deployment)
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, parser: argparse.ArgumentParser | None = None,
+         dispatch=dispatch) -> int:
+    """Run one command; bad input is one line and exit 2 (3: a gate failed, 4: replay failed).
+    flows/cli.py passes its own `parser` and `dispatch`, which add `run` and `serve`."""
     for key, value in OFFLINE_DEFAULTS.items():
         os.environ.setdefault(key, value)
     try:
-        return dispatch(build_parser().parse_args(argv))
+        return dispatch((parser or build_parser()).parse_args(argv))
     except UserError as err:
         return refuse("error", err, 2)
     except GateFailure as err:

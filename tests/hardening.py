@@ -5,9 +5,9 @@ leaves nothing behind.
     assert_refused(done, "field", "fix")          # exit 2, one line, no traceback, seconds
     assert_nothing_left(tmp_path, before)          # no new files, commits or RUNNING runs
 
-`cli` runs `posttrain.cli.main` in this process (a subprocess costs seconds of imports
-per case); `cli_process` runs `python -m posttrain` for the cases that need a real
-process (signals, stderr written by libraries, environment variables read at start).
+`cli` runs the `posttrain` command's `main` (flows/cli.py) in this process (a subprocess
+costs seconds of imports per case); `cli_process` runs the installed `posttrain` command
+for the cases that need a real process (signals, stderr written by libraries, environment variables read at start).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Done:
 
 def cli(*args, cwd: Path | str | None = None, env: dict | None = None) -> Done:
     """`posttrain ARGS` in this process, from `cwd`, with `env` added to the environment."""
-    from posttrain.cli import main
+    from flows.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     saved_cwd, saved_env = os.getcwd(), dict(os.environ)
@@ -50,9 +50,9 @@ def cli(*args, cwd: Path | str | None = None, env: dict | None = None) -> Done:
 
 
 def cli_process(*args, cwd: Path | str | None = None, env: dict | None = None, timeout: float = 120) -> Done:
-    """`python -m posttrain ARGS` as a user runs it."""
+    """`posttrain ARGS` as a user runs it (the venv's command)."""
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "posttrain", *map(str, args)], cwd=cwd, capture_output=True,
+    done = subprocess.run([str(Path(sys.executable).parent / "posttrain"), *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, env={**os.environ, **(env or {})}, timeout=timeout)
     return Done(done.returncode, done.stdout, done.stderr, time.monotonic() - started)
 

@@ -33,6 +33,10 @@ def test_check_accepts_the_default_config():
     (["frobnicate"], ["invalid choice"]),                                          # unknown command
     (["kv", "nowhere/config.json"], ["nowhere", "config.json"]),                   # kv: missing model
     (["kv", "configs/gpus.yaml"], ["config lacks"]),                               # kv: not a model config
+    (["stage", "sft", "--config", "configs/pipeline.yaml", "--bogus", "x"],
+     ["unknown flag --bogus", "--base-dir"]),                                      # stage: a flag main lacks
+    (["stage", "prepare", "--config", "configs/pipeline.yaml"], ["missing --data-dir"]),  # stage: a path missing
+    (["stage", "evaluate", "--config"], ["--flag value pairs"]),                   # stage: a flag without value
 ])
 def test_bad_arguments(args, needles):
     assert_one_line_error(posttrain(*args), *needles)

@@ -1,0 +1,114 @@
+"""The `posttrain` command: the library's commands (posttrain/cli.py) plus the two that
+start flows, `run` and `serve`. It lives on the flows side so that the library never
+imports a flow: dependencies point one way, flows -> tasks -> posttrain.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from posttrain import cli
+from posttrain.errors import UserError
+from posttrain.io import PARAMS_FILE
+
+
+def add_flow_commands(sub) -> None:
+    run = sub.add_parser("run", help="run the retrain flow (Prefect) on a workspace")
+    run.add_argument("--workdir", help="git + DVC workspace holding dvc.yaml and " + PARAMS_FILE +
+                     " (default: this folder, or runs/<config name> with --config)")
+    run.add_argument("--config", help="a variant config (e.g. configs/sql.yaml): run it in its own workspace, "
+                     "created on first use")
+    serve = sub.add_parser("serve", help="serve the retrain flow as a Prefect deployment on a cron schedule")
+    serve.add_argument("--workdir", default=".", help="the workspace each scheduled run retrains (default: here)")
+    serve.add_argument("--cron", default="0 3 * * *", help="when runs are due (cron syntax; default daily 03:00)")
+    serve.add_argument("--timezone", default="UTC")
+    serve.add_argument("--name", default="nightly", help="deployment name: runs are `retrain/<name>`; "
+                       "one name per workspace (a second serve with the same name takes the deployment over)")
+
+
+def dispatch(args) -> int:
+    if args.command == "run":
+        run_workspace(args)
+        return 0
+    if args.command == "serve":
+        serve_workspace(args)
+        return 0
+    return cli.dispatch(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(argv, parser=cli.build_parser(add_flow_commands), dispatch=dispatch)
+
+
+def run_workspace(args) -> None:
+    """`posttrain run`: check the inputs, then the flow, holding the workspace's lock
+    throughout (a variant's workspace is rewritten first: not under a running flow)."""
+    from posttrain import workspace
+    from posttrain.config import load_config, read_config_dict
+    from posttrain.ingest import check_pending
+
+    workdir = args.workdir or (os.path.join("runs", Path(args.config).stem) if args.config else ".")
+    servers_and_config("run", args.config or os.path.join(workdir, PARAMS_FILE), temporary_prefect=True)
+    if args.config and not Path(workdir, "dvc.yaml").is_file():
+        workspace.create(workdir, read_config_dict(Path(args.config)))
+    if not (Path(workdir, "dvc.yaml").is_file() and Path(workdir, ".dvc").is_dir()):
+        raise UserError(f"posttrain run --workdir {workdir}", "not a DVC workspace (no dvc.yaml or .dvc/)",
+                        "run in this repository's root, or use --config FILE to create a workspace")
+    with workspace.lock(workdir, log=lambda message: print(message, file=sys.stderr, flush=True)):
+        if args.config:
+            workspace.prepare(workdir, read_config_dict(Path(args.config)))
+        check_pending(workdir, load_config(os.path.join(workdir, PARAMS_FILE)))  # bad rows: exit 2 here
+        from flows.retrain import retrain
+        retrain(workdir=workdir)
+
+
+def servers_and_config(command: str, config_path: str, *, temporary_prefect: bool):
+    """The validated config, once the MLflow and Prefect servers the command will use have
+    answered: those the environment names first (a dead one costs minutes of retries later,
+    after the workspace is written), then those of the config and the Prefect profile."""
+    from posttrain.config import load_config
+    from posttrain.probe import check_prefect, check_tracking, profile_api_url
+
+    env_tracking, env_prefect = os.environ.get("MLFLOW_TRACKING_URI"), os.environ.get("PREFECT_API_URL")
+    check_tracking(env_tracking, command=command)
+    check_prefect(env_prefect, command=command, temporary_ok=temporary_prefect)
+    config = load_config(config_path)
+    if not env_tracking:
+        check_tracking(config.tracking.uri, command=command, source=f"tracking.uri in {config_path}")
+    if not env_prefect:
+        check_prefect(profile_api_url(), command=command, temporary_ok=temporary_prefect)
+    return config
+
+
+def serve_workspace(args) -> None:
+    """Check the workspace, the servers and the schedule, then serve until stopped."""
+    if not os.path.isfile(os.path.join(args.workdir, "dvc.yaml")):
+        raise UserError(f"posttrain serve --workdir {args.workdir}", "no dvc.yaml there",
+                        "pass a posttrain workspace (this repository, or runs/<name>)")
+    servers_and_config("serve", os.path.join(args.workdir, PARAMS_FILE), temporary_prefect=False)
+    from prefect.settings import get_current_settings
+
+    if not get_current_settings().api.url:  # an ephemeral API runs no scheduler: runs would never come due
+        raise UserError("posttrain serve", "PREFECT_API_URL is not set",
+                        "start a server (`prefect server start`) and export PREFECT_API_URL=http://HOST:4200/api")
+    from flows.deploy import nightly, serve_nightly
+
+    import zoneinfo
+
+    try:
+        zoneinfo.ZoneInfo(args.timezone)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise UserError(f"posttrain serve --timezone {args.timezone}", "unknown time zone",
+                        "give an IANA name such as UTC or Europe/Berlin") from None
+    try:
+        deployment = nightly(args.workdir, args.cron, args.timezone, args.name)
+    except ValueError as err:
+        raise UserError(f"posttrain serve --cron {args.cron!r}", str(err).splitlines()[0],
+                        "give five cron fields, e.g. '0 3 * * *'") from None
+    serve_nightly(deployment)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
