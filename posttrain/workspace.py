@@ -21,7 +21,11 @@ import yaml
 
 from posttrain.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
+# What a new workspace starts from ships inside the package (posttrain/template: links to
+# this checkout's dvc.yaml, configs/, .gitignore ... that a wheel holds as files), so a
+# wheel install creates workspaces as a checkout does.
+PACKAGE = Path(__file__).resolve().parent
+TEMPLATE = PACKAGE / "template"
 
 
 def tool_path(name: str) -> str:
@@ -71,12 +75,12 @@ def create(dest: str | Path, config: dict, *, remote: str | Path | None = None) 
     if dest.exists() and any(dest.iterdir()):
         raise UserError(str(dest), "the workspace folder exists and is not empty", "pick a new folder or remove it")
     dest.mkdir(parents=True, exist_ok=True)
-    for name in (".gitignore", ".dvcignore"):
-        shutil.copy(REPO / name, dest / name)
-    shutil.copytree(REPO / "configs", dest / "configs")
+    for name in ("gitignore", "dvcignore"):
+        shutil.copy(TEMPLATE / name, dest / f".{name}")
+    shutil.copytree(TEMPLATE / "configs", dest / "configs")
     copy_code(dest)
     (dest / "datasets").mkdir()
-    shutil.copy(REPO / "datasets" / "README.md", dest / "datasets" / "README.md")  # batches are its own
+    shutil.copy(TEMPLATE / "datasets_README.md", dest / "datasets" / "README.md")  # batches are its own
     (dest / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     dvc = [tool_path("dvc")]  # the venv's dvc, even when the venv is not on PATH
     _git("init", "-q", "-b", "main", cwd=dest)
@@ -89,13 +93,14 @@ def create(dest: str | Path, config: dict, *, remote: str | Path | None = None) 
 
 
 def copy_code(dest: Path) -> None:
-    """This checkout's dvc.yaml and library into `dest`: the stages run the workspace's
-    copy (tasks.dvc_stages.stage_env), so what DVC hashes as a dep is what runs."""
-    if dest.resolve() == REPO:
+    """This package's dvc.yaml and library into `dest`: the stages run the workspace's
+    copy (`stage_env`), so what DVC hashes as a dep is what runs. Nothing to do in the
+    checkout the package is installed from."""
+    if (dest / "posttrain").resolve() == PACKAGE:
         return
-    shutil.copy(REPO / "dvc.yaml", dest / "dvc.yaml")
+    shutil.copy(TEMPLATE / "dvc.yaml", dest / "dvc.yaml")
     shutil.rmtree(dest / "posttrain", ignore_errors=True)
-    shutil.copytree(REPO / "posttrain", dest / "posttrain", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(PACKAGE, dest / "posttrain", ignore=shutil.ignore_patterns("__pycache__", "template"))
 
 
 def prepare(workdir: str | Path, config: dict) -> Path:
@@ -106,7 +111,7 @@ def prepare(workdir: str | Path, config: dict) -> Path:
         return create(workdir, config)
     copy_code(workdir)
     (workdir / "datasets").mkdir(exist_ok=True)  # workspaces from before new data was versioned
-    shutil.copy(REPO / "datasets" / "README.md", workdir / "datasets" / "README.md")
+    shutil.copy(TEMPLATE / "datasets_README.md", workdir / "datasets" / "README.md")
     (workdir / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     # commit what changed, so the run's git commit names its code and config (replay)
     _git("add", "dvc.yaml", "posttrain", "configs", "datasets/README.md", cwd=workdir)

@@ -49,3 +49,26 @@ def test_stages_run_the_workspace_copy_of_the_library(tmp_path):
     env = workspace.stage_env(ws)
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ws)
     assert workspace.stage_env(tmp_path).get("PYTHONPATH") == os.environ.get("PYTHONPATH")   # no library there
+
+
+def test_a_wheel_holds_what_a_workspace_needs(tmp_path):
+    """Built as a wheel and unpacked away from this checkout, the package still creates a
+    workspace: dvc.yaml, configs, GPU profiles and ignore files are package data."""
+    import zipfile
+
+    repo = workspace.PACKAGE.parent
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(repo),
+                    "-w", str(tmp_path / "dist")], check=True, capture_output=True, cwd=tmp_path)
+    [wheel] = (tmp_path / "dist").glob("posttrain-*.whl")
+    zipfile.ZipFile(wheel).extractall(tmp_path / "site")
+    code = ("import sys, yaml; from posttrain import workspace; "
+            "workspace.create(sys.argv[1], yaml.safe_load(open(sys.argv[2]))); print(workspace.PACKAGE)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ws"), str(repo / "configs" / "pipeline.yaml")],
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == str(tmp_path / "site" / "posttrain")    # not this checkout's package
+    for path in ("dvc.yaml", ".gitignore", ".dvcignore", "configs/gpus.yaml", "datasets/README.md",
+                 "posttrain/gpus.yaml", "posttrain/stages/sft.py"):
+        assert (tmp_path / "ws" / path).is_file() and not (tmp_path / "ws" / path).is_symlink(), path
+    assert (tmp_path / "ws" / "dvc.yaml").read_text() == (repo / "dvc.yaml").read_text()
+    assert not (tmp_path / "ws" / "posttrain" / "template").exists()
