@@ -15,12 +15,17 @@ Accepted batches become `datasets/<name>.jsonl`, each tracked by DVC (`dvc add`)
 the `.dvc` files are committed to git: one commit per run that brought data, so any
 later run's git commit names its exact data. The prepare stage (which depends on
 `datasets/`) appends them to the training split.
+
+Only regular `*.jsonl` files are batches. Anything else in `incoming/` (a `.json` file, a
+subfolder, a link, a FIFO named `*.jsonl`) stops the run with one line naming it and the
+fix, before anything is read or versioned: data left there unread would look ingested.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -31,6 +36,8 @@ from posttrain.workspace import commit, run_checked
 INCOMING = "incoming"
 DATASETS = "datasets"
 SHOWN_ERRORS = 5
+SHOWN_CHARS = 200     # of one reason or name in an error line
+MAX_LINE_BYTES = 2**20  # one row; a longer line is refused unparsed
 
 
 def check_row(env, row, heldout: set[str]) -> str | None:
@@ -43,42 +50,140 @@ def check_row(env, row, heldout: set[str]) -> str | None:
     if "completion" in row and not isinstance(row["completion"], str):
         return "`completion` must be a string"
     completion = row.get("completion", row["answer"])
-    if not env.verify(completion, row["answer"]):
-        return f"completion {completion!r} does not parse as the answer {row['answer']!r} ({env.name} parser)"
-    if row["prompt"] in heldout:
-        return "prompt is in the held-out split (held-out truth must stay unseen in training)"
-    own_check = getattr(env, "check_row", None)
-    return own_check(row) if own_check else None
+    try:
+        if not env.verify(completion, row["answer"]):
+            return f"completion {completion!r} does not parse as the answer {row['answer']!r} ({env.name} parser)"
+        if row["prompt"] in heldout:
+            return "prompt is in the held-out split (held-out truth must stay unseen in training)"
+        own_check = getattr(env, "check_row", None)
+        return own_check(row) if own_check else None
+    except ValueError as err:  # int() of a 5000-digit string: past Python's int-string limit
+        return f"the {env.name} environment cannot read this row ({_first_clause(err)})"
 
 
 def read_batch(path: Path, env, heldout: set[str]) -> tuple[list[dict], list[str]]:
-    """(rows, errors) of one incoming file; each error reads `file:line: reason`."""
+    """(rows, errors) of one incoming file; each error reads `file:line: reason`.
+
+    Opened without following a link or blocking, and read only if it is a regular file:
+    a FIFO swapped in after `pending` looked would otherwise hang the run (which holds the
+    workspace lock). Lines are read one at a time, each at most MAX_LINE_BYTES.
+    """
     rows, errors = [], []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as err:
-        return [], [f"{path}: not UTF-8 text (byte {err.start})"]
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            errors.append(f"{path}:{number}: not JSON ({err.msg})")
-            continue
-        problem = check_row(env, row, heldout)
-        if problem:
-            errors.append(f"{path}:{number}: {problem}")
-        else:
-            rows.append({"prompt": row["prompt"], "answer": row["answer"],
-                         "completion": row.get("completion", row["answer"])})
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as err:
+        return [], [f"{_shown(path)}: cannot be read ({err.strerror})"]
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return [], [f"{_shown(path)}: not a regular file"]
+        for number, raw in _lines(fh):
+            row, problem = _parse(raw)
+            problem = problem or check_row(env, row, heldout)
+            if problem:
+                errors.append(f"{_shown(path)}:{number}: {_shown(problem, SHOWN_CHARS)}")
+            else:
+                rows.append({"prompt": row["prompt"], "answer": row["answer"],
+                             "completion": row.get("completion", row["answer"])})
     if not rows and not errors:
-        errors.append(f"{path}: empty file")
+        errors.append(f"{_shown(path)}: empty file")
     return rows, errors
 
 
+def _lines(fh):
+    """(line number, bytes) of each non-blank line; bytes is None for a line over
+    MAX_LINE_BYTES, which is skipped rather than held in memory."""
+    number = 0
+    while raw := fh.readline(MAX_LINE_BYTES + 1):
+        number += 1
+        if len(raw) > MAX_LINE_BYTES:
+            while raw and not raw.endswith(b"\n"):
+                raw = fh.readline(MAX_LINE_BYTES + 1)
+            yield number, None
+        elif raw.strip():
+            yield number, raw
+
+
+def _parse(raw: bytes | None):
+    """(row, None) for a line of UTF-8 JSON, else (None, why not)."""
+    if raw is None:
+        return None, f"line longer than {MAX_LINE_BYTES // 2**20} MiB, not parsed"
+    try:
+        return json.loads(raw.decode("utf-8")), None
+    except UnicodeDecodeError as err:
+        return None, f"not UTF-8 text (byte {err.start} of the line)"
+    except json.JSONDecodeError as err:
+        return None, f"not JSON ({err.msg})"
+    except ValueError as err:  # a number of 5000 digits: past Python's int-string limit
+        return None, f"not JSON this reader accepts ({_first_clause(err)})"
+    except RecursionError:
+        return None, "not JSON this reader accepts (nested too deeply)"
+
+
 def pending(workdir: str | Path) -> list[Path]:
-    return sorted((Path(workdir) / INCOMING).glob("*.jsonl"))
+    """The batches waiting in `incoming/`: its regular `*.jsonl` files, in name order.
+
+    Anything else there is refused (UserError) rather than silently left unread: a `.json`
+    file, a subfolder, a link, a FIFO or device named `*.jsonl` (opening a FIFO would hang
+    the run). Hidden names (`.x.jsonl.tmp` from rsync, `.gitkeep`) are copies in progress
+    or markers, and are skipped.
+    """
+    folder = Path(workdir) / INCOMING
+    if not folder.exists():
+        return []
+    if not folder.is_dir():
+        raise UserError(_shown(folder), "is not a folder, so no batch in it can be read",
+                        f"remove it; new data goes in {INCOMING}/<name>.jsonl files")
+    try:
+        entries = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+    except OSError as err:
+        raise UserError(_shown(folder), f"cannot be listed ({err.strerror})", "make the folder readable") from None
+    refused = [(path, *why) for path in entries if (why := _not_a_batch(path))]
+    if refused:
+        path, problem, fix = refused[0]
+        others = ", ".join(_shown(p.name) for p, *_ in refused[1:])
+        raise UserError(_shown(path), f"{problem}; nothing versioned" + (f" (nor read: {others})" if others else ""),
+                        fix)
+    return entries
+
+
+def _not_a_batch(path: Path) -> tuple[str, str] | None:
+    """(problem, fix) when an entry of `incoming/` is not a batch file, else None."""
+    try:
+        mode = path.lstat().st_mode
+    except OSError as err:  # gone since the listing (a `mv` under way), or unreadable
+        return f"cannot be examined ({err.strerror})", "retry once it is in place and readable"
+    if stat.S_ISDIR(mode):
+        return ("is a folder, and subfolders are not read",
+                f"move its *.jsonl files up into {INCOMING}/ (and the folder out)")
+    if stat.S_ISLNK(mode):
+        return "is a symbolic link, and links are not followed", f"copy the file itself into {INCOMING}/"
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+        return (f"is {kind}, not a regular file, so it is not opened",
+                f"write the rows to a file elsewhere, then `mv` it into {INCOMING}/")
+    if path.suffix == ".json":
+        return ("is a .json file, and only JSON-lines *.jsonl files are read",
+                "rename it to .jsonl if it holds one JSON object per line, else move it out")
+    if path.suffix != ".jsonl":
+        return ("is not a *.jsonl batch, and nothing else here is read",
+                "move it out, or rename it to .jsonl if it holds one JSON object per line")
+    return None
+
+
+def _shown(text, limit: int | None = None) -> str:
+    """`text` fit for a one-line error: past `limit` characters the middle cut out, and
+    control characters escaped (a file name may hold a newline)."""
+    def escaped(part: str) -> str:
+        return "".join(c if c.isprintable() else repr(c)[1:-1] for c in part)
+    text, half = str(text), (limit or 0) // 2
+    if limit is None or len(text) <= limit:
+        return escaped(text)
+    return f"{escaped(text[:half])}...({len(text) - 2 * half} chars)...{escaped(text[-half:])}"
+
+
+def _first_clause(err: Exception) -> str:
+    """The error's own words up to the first colon: Python's advice after it is for programmers."""
+    return str(err).split(":")[0]
 
 
 def validate(workdir: str | Path, env, heldout: set[str]) -> dict[Path, list[dict]]:
@@ -90,7 +195,7 @@ def validate(workdir: str | Path, env, heldout: set[str]) -> dict[Path, list[dic
     if errors:
         shown = "; ".join(errors[:SHOWN_ERRORS]) + (f"; and {len(errors) - SHOWN_ERRORS} more"
                                                      if len(errors) > SHOWN_ERRORS else "")
-        raise UserError(f"{Path(workdir) / INCOMING}", f"{len(errors)} bad row(s), nothing versioned: {shown}",
+        raise UserError(_shown(Path(workdir) / INCOMING), f"{len(errors)} bad row(s), nothing versioned: {shown}",
                         "fix or remove those rows; the next run versions the folder again")
     return batches
 

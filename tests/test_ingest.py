@@ -110,3 +110,60 @@ def test_versioned_batches_are_not_pipeline_stages(small_workspace):
     ingest.version_incoming(small_workspace, ENV, HELDOUT, dvc=str(sh("which", "dvc", cwd=small_workspace).stdout.strip()))
     names = [s["name"] for s in stage_order.fn(str(small_workspace))]
     assert names == ["prepare", "sft", "grpo@dense", "serving", "evaluate"]
+
+
+def test_pending_lists_batches_and_skips_hidden_copies_in_progress(tmp_path):
+    (tmp_path / "incoming").mkdir()
+    for name in ("b.jsonl", "a.jsonl", ".a.jsonl.Xy12Zq", ".gitkeep"):  # rsync's temporary, a marker
+        (tmp_path / "incoming" / name).write_text("{}\n")
+    assert [p.name for p in ingest.pending(tmp_path)] == ["a.jsonl", "b.jsonl"]
+    (tmp_path / "incoming" / "c.json").write_text("{}\n")
+    (tmp_path / "incoming" / "d").mkdir()
+    with pytest.raises(UserError, match=r"c.json: is a .json file.*nothing versioned \(nor read: d\)"):
+        ingest.pending(tmp_path)
+
+
+def test_a_fifo_swapped_in_after_the_listing_is_not_opened(tmp_path):
+    import os
+    import signal
+
+    os.mkfifo(tmp_path / "x.jsonl")
+    previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("read_batch blocked opening a FIFO"))
+    signal.alarm(10)
+    try:
+        found = ingest.read_batch(tmp_path / "x.jsonl", ENV, HELDOUT)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert found == ([], [f"{tmp_path / 'x.jsonl'}: not a regular file"])
+
+
+def test_lines_after_a_too_long_line_keep_their_numbers(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"prompt": "' + "9" * (ingest.MAX_LINE_BYTES + 10) + '"}\n{"prompt": "2+3=", "answer": "5"}\n'
+                    '{"prompt": "2+3=", "answer": "6"}\n')
+    rows, errors = ingest.read_batch(path, ENV, HELDOUT)
+    assert [r["prompt"] for r in rows] == ["2+3="]
+    assert [e.split(": ", 1)[0] for e in errors] == [f"{path}:1", f"{path}:3"] and "longer than 1 MiB" in errors[0]
+
+
+def test_a_long_reason_is_cut_to_one_short_line(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text(json.dumps({"prompt": "2+3=", "answer": "5", "completion": "x\n" * 50_000}) + "\n")
+    [error] = ingest.read_batch(path, ENV, HELDOUT)[1]
+    assert len(error) < len(str(path)) + 300 and "\n" not in error and "chars)..." in error
+
+
+def test_100k_lines_are_validated_in_seconds(tmp_path):
+    import time
+
+    env = get_env("arithmetic", operand_max=999)
+    (tmp_path / "incoming").mkdir()
+    with open(tmp_path / "incoming" / "big.jsonl", "w") as fh:
+        fh.writelines(json.dumps({"prompt": f"{i % 1000}+{i // 1000}=", "answer": str(i % 1000 + i // 1000)}) + "\n"
+                      for i in range(100_000))
+    started = time.process_time()  # CPU seconds: other jobs on a shared machine do not count
+    batches = ingest.validate(tmp_path, env, set())
+    # 1,000,000 lines took about 4 s where issue 12 measured it; 100,000 here leaves room for a slow machine
+    seconds = time.process_time() - started
+    assert len(batches[tmp_path / "incoming" / "big.jsonl"]) == 100_000 and seconds < 5
