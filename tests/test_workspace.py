@@ -57,6 +57,8 @@ def test_a_wheel_holds_what_a_workspace_needs(tmp_path):
     import zipfile
 
     repo = workspace.PACKAGE.parent
+    # the template's links to dvc.yaml are package data, not a second pipeline (.dvcignore)
+    assert [s["name"] for s in workspace.stages(repo)] == ["prepare", "sft", "grpo@dense", "serving", "evaluate"]
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(repo),
                     "-w", str(tmp_path / "dist")], check=True, capture_output=True, cwd=tmp_path)
     [wheel] = (tmp_path / "dist").glob("posttrain-*.whl")
