@@ -31,7 +31,7 @@ from conftest import SMALL, make_workspace, sh
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "posttrain"
-ENTRY = ("posttrain/cli.py", "posttrain/config.py")   # what every `posttrain stage` runs
+ENTRY = ("posttrain/__main__.py", "posttrain/cli.py", "posttrain/config.py")  # what every `python -m posttrain stage` runs
 CLI_ENTRY = ("posttrain/cli.py", "main")              # pyproject: posttrain = "posttrain.cli:main"
 PLUGINS = {"posttrain/envs": "posttrain.envs"}        # plug-in folder -> its entry-point group
 
@@ -216,8 +216,8 @@ def test_the_walk_finds_what_a_stage_runs(stage, path, reached):
 def test_the_walk_follows_import_paths_and_package_data(tmp_path):
     (tmp_path / PACKAGE / "stages").mkdir(parents=True)
     for path, text in {
-        "posttrain/__init__.py": "", "posttrain/stages/__init__.py": "", "posttrain/config.py": "",
-        "posttrain/cli.py": ('def main():\n    if args.command == "compare":\n        import posttrain.compare\n'
+        "posttrain/__init__.py": "", "posttrain/__main__.py": "", "posttrain/stages/__init__.py": "",
+        "posttrain/config.py": "", "posttrain/cli.py": ('def main():\n    if args.command == "compare":\n        import posttrain.compare\n'
                              '    elif args.command == "stage":\n        import posttrain.errors\n'),
         "posttrain/stages/x.py": 'PLUGIN = "posttrain.plugin:make"\nfrom . import helper\n',
         "posttrain/plugin.py": 'PROFILES = "profiles.yaml"\n', "posttrain/profiles.yaml": "",
@@ -225,8 +225,8 @@ def test_the_walk_follows_import_paths_and_package_data(tmp_path):
     }.items():
         (tmp_path / path).write_text(text)
     assert set(reach("x", tmp_path)) == {
-        "posttrain/__init__.py", "posttrain/stages/__init__.py", "posttrain/config.py", "posttrain/cli.py",
-        "posttrain/errors.py", "posttrain/stages/x.py", "posttrain/plugin.py", "posttrain/stages/helper.py",
+        "posttrain/__init__.py", "posttrain/__main__.py", "posttrain/stages/__init__.py", "posttrain/config.py",
+        "posttrain/cli.py", "posttrain/errors.py", "posttrain/stages/x.py", "posttrain/plugin.py", "posttrain/stages/helper.py",
         "posttrain/profiles.yaml"}
 
 
