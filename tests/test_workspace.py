@@ -54,12 +54,19 @@ def test_stages_run_the_workspace_copy_of_the_library(tmp_path):
 def test_a_wheel_holds_what_a_workspace_needs(tmp_path):
     """Built as a wheel and unpacked away from this checkout, the package still creates a
     workspace: dvc.yaml, configs, GPU profiles and ignore files are package data."""
+    import shutil
     import zipfile
 
     repo = workspace.PACKAGE.parent
     # the template's links to dvc.yaml are package data, not a second pipeline (.dvcignore)
     assert [s["name"] for s in workspace.stages(repo)] == ["prepare", "sft", "grpo@dense", "serving", "evaluate"]
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(repo),
+    source = tmp_path / "source"   # setuptools builds in the source folder: a copy, not this checkout
+    for path in ("pyproject.toml", "README.md", "dvc.yaml", ".gitignore", ".dvcignore", "datasets/README.md"):
+        (source / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(repo / path, source / path)
+    for folder in ("posttrain", "flows", "tasks", "configs"):
+        shutil.copytree(repo / folder, source / folder, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source),
                     "-w", str(tmp_path / "dist")], check=True, capture_output=True, cwd=tmp_path)
     [wheel] = (tmp_path / "dist").glob("posttrain-*.whl")
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
