@@ -105,8 +105,7 @@ def dispatch(args) -> int:
         print(report)
         return 1 if differ else 0
     elif args.command == "kv":
-        from posttrain.kv_cli import run_kv
-        return run_kv(args)
+        print_kv(args)
     return 0
 
 
@@ -138,6 +137,21 @@ def run_stage(args) -> None:
         raise UserError(f"{where} --name", f"no GRPO stage {kwargs['name']!r} in {config_path}",
                         f"use one of {list(config.grpo)}")
     print(json.dumps(main(config, **kwargs), indent=2, sort_keys=True))
+
+
+def print_kv(args) -> None:
+    """`posttrain kv`: the capacity report (posttrain.kv_report) as JSON or aligned lines."""
+    from posttrain.kv_report import report
+
+    figures = report(args.model, gpu=args.gpu, gpus=args.gpus, kv_memory_gib=args.kv_memory_gib,
+                     gpu_memory_utilization=args.gpu_memory_utilization, context=args.context, tp=args.tp,
+                     kv_dtype=args.kv_dtype, block_size=args.block_size)
+    if args.json:
+        print(json.dumps(figures, sort_keys=True))
+        return
+    width = max(map(len, figures))
+    for key, value in figures.items():
+        print(f"{key:<{width}}  {value:,.2f}" if isinstance(value, float) else f"{key:<{width}}  {value:,}")
 
 
 def check_stats_options(args) -> None:

@@ -42,7 +42,7 @@ def sample_models(models: dict[str, str], prompts: list[str], *, backend: str, n
 
 
 def _sample_vllm(models, prompts, *, n, temperature, max_new_tokens, seed):
-    """`posttrain.vllm_sample` in its own process (vLLM must start under `__main__`)."""
+    """`posttrain.engine.sample` in its own process (vLLM must start under `__main__`)."""
     import json
     import subprocess
     import sys
@@ -55,7 +55,7 @@ def _sample_vllm(models, prompts, *, n, temperature, max_new_tokens, seed):
            "kv_cache_memory_bytes": 256 * 2**20}
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "job.json").write_text(json.dumps(job))
-        done = subprocess.run([sys.executable, "-m", "posttrain.vllm_sample", "--job", f"{tmp}/job.json",
+        done = subprocess.run([sys.executable, "-m", "posttrain.engine.sample", "--job", f"{tmp}/job.json",
                                "--out", f"{tmp}/out.json"], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"vLLM sampling failed: {done.stderr.strip()[-800:]}")

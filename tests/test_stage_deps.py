@@ -103,7 +103,7 @@ def references(path: str, root: Path = REPO) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = ".".join(filter(None, [package.rsplit(".", node.level - 1)[0] if node.level else "", node.module]))
             names += [base] + [f"{base}.{alias.name}" for alias in node.names]
-        elif isinstance(node, (ast.List, ast.Tuple)):   # [sys.executable, "-m", "posttrain.vllm_sample", ...]
+        elif isinstance(node, (ast.List, ast.Tuple)):   # [sys.executable, "-m", "posttrain.engine.sample", ...]
             values = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
             names += [value for flag, value in zip(values, values[1:]) if flag == "-m" and isinstance(value, str)]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -200,9 +200,9 @@ def missing_deps(root: Path = REPO) -> list[str]:
     ("grpo", "posttrain/checkpoints.py", True),       # `from posttrain import checkpoints`
     ("prepare", "posttrain/rewards.py", True),        # config.py imports it inside a function
     ("prepare", "posttrain/envs/arithmetic.py", True),  # environments load by name
-    ("evaluate", "posttrain/vllm_sample.py", True),   # `python -m posttrain.vllm_sample` subprocess
-    ("serving", "posttrain/vllm_check.py", True),     # `python -m posttrain.vllm_check` subprocess
-    ("serving", "posttrain/loadtest.py", True),       # imported inside a function
+    ("evaluate", "posttrain/engine/sample.py", True),   # `python -m posttrain.engine.sample` subprocess
+    ("serving", "posttrain/engine/check.py", True),     # `python -m posttrain.engine.check` subprocess
+    ("serving", "posttrain/engine/loadtest.py", True),       # imported inside a function
     ("prepare", "posttrain/__init__.py", True),       # runs before any posttrain module
     ("serving", "posttrain/training.py", False),      # only the training stages import it
     ("sft", "posttrain/compare.py", False),           # cli.py imports it for `posttrain compare` only

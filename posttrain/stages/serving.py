@@ -80,7 +80,7 @@ def concurrency_plot(model_dir: str, serving, profile: dict, plot_path: str) -> 
 
 
 def check_with_vllm(model_dir: str, check, context_length: int) -> dict:
-    """Run `posttrain.vllm_check` in its own process and compare with the prediction.
+    """Run `posttrain.engine.check` in its own process and compare with the prediction.
 
     The context is capped at the model's `max_position_embeddings` (vLLM refuses more);
     the block size is whatever the engine chose (128 on CPU, 16 on most GPUs).
@@ -94,7 +94,7 @@ def check_with_vllm(model_dir: str, check, context_length: int) -> dict:
     kv_memory = check.kv_memory_mib * 2**20
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/vllm.json"
-        done = subprocess.run([sys.executable, "-m", "posttrain.vllm_check", model_dir, "--kv-memory-bytes",
+        done = subprocess.run([sys.executable, "-m", "posttrain.engine.check", model_dir, "--kv-memory-bytes",
                                str(kv_memory), "--context", str(context), "--dtype", engine_dtype(check.dtype), "--out", out],
                               capture_output=True, text=True)
         if done.returncode != 0:
@@ -125,7 +125,7 @@ def engine_dtype(dtype: str) -> str:
 
 def run_load_test(model_dir: str, serving, prompts: list[str]) -> dict:
     """Throughput and latency behind vLLM's server; a failed request fails the stage."""
-    from posttrain.loadtest import load_test, vllm_server
+    from posttrain.engine.loadtest import load_test, vllm_server
 
     settings = serving.load_test
     context = min(serving.context_length, int(load_config_json(model_dir).get("max_position_embeddings", 10**9)))
@@ -141,14 +141,14 @@ def run_load_test(model_dir: str, serving, prompts: list[str]) -> dict:
 def vllm_check_or_warn(model_dir: str, serving) -> dict:
     """The vLLM cross-check's figures; a loud tag instead when it is off or vLLM is absent."""
     if not serving.vllm_check.enabled:
-        mlflow.set_tag("posttrain.vllm_check", "disabled in config (serving.vllm_check.enabled)")
+        mlflow.set_tag("posttrain.engine.check", "disabled in config (serving.vllm_check.enabled)")
         return {}
     if importlib.util.find_spec("vllm") is None:
         print("posttrain: WARNING: vLLM is not installed: the KV prediction is not checked", flush=True)
-        mlflow.set_tag("posttrain.vllm_check", "vllm not installed")
+        mlflow.set_tag("posttrain.engine.check", "vllm not installed")
         return {}
     result = check_with_vllm(model_dir, serving.vllm_check, serving.context_length)
-    mlflow.set_tag("posttrain.vllm_check", "matched")
+    mlflow.set_tag("posttrain.engine.check", "matched")
     return result
 
 

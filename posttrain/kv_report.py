@@ -1,8 +1,9 @@
-"""`posttrain kv`: capacity of any model on a GPU, from its config alone (no weights)."""
+"""The capacity of any model on a GPU, from its config alone (no weights): what
+`posttrain kv` prints. The arithmetic is posttrain.kv's, the same the serving stage uses;
+this module checks the inputs a user gives it and names the flag at fault."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from posttrain.errors import UserError
@@ -12,19 +13,20 @@ from posttrain.profiles import load_gpu_profile
 LARGEST = 2**40  # bound on every count and size: no model or GPU comes near, and the arithmetic stays exact
 
 
-def _check_numbers(args) -> None:
+def _check_numbers(*, context: int, tp: int, block_size: int, kv_memory_gib: float | None,
+                   gpu_memory_utilization: float) -> None:
     """Whole numbers >= 1, KV memory a finite size >= 0 GiB, utilisation in (0, 1]; NaN fails every test."""
-    for flag, value in [("--context", args.context), ("--tp", args.tp), ("--block-size", args.block_size)]:
+    for flag, value in [("--context", context), ("--tp", tp), ("--block-size", block_size)]:
         if not 1 <= value <= LARGEST:
             raise UserError(f"posttrain kv {flag}", f"must be between 1 and {LARGEST:,}, got {value}",
                             "pass a positive whole number")
-    gib = args.kv_memory_gib
+    gib = kv_memory_gib
     if gib is not None and not 0 <= gib <= 2**20:
         raise UserError("posttrain kv --kv-memory-gib", f"must be a size between 0 and {2**20:,} GiB, got {gib}",
                         "pass the KV memory per GPU in GiB, e.g. 40")
-    if not 0 < args.gpu_memory_utilization <= 1:
+    if not 0 < gpu_memory_utilization <= 1:
         raise UserError("posttrain kv --gpu-memory-utilization",
-                        f"must be a fraction above 0 and at most 1, got {args.gpu_memory_utilization}",
+                        f"must be a fraction above 0 and at most 1, got {gpu_memory_utilization}",
                         "pass a fraction such as 0.92")
 
 
@@ -47,32 +49,25 @@ def _read_model_config(model: str, tp: int) -> dict:
     return config
 
 
-def estimate(args) -> dict:
-    """The capacity report for the parsed `posttrain kv` arguments."""
-    _check_numbers(args)
-    config = _read_model_config(args.model, args.tp)
-    model_dir = Path(args.model) if Path(args.model).is_dir() else Path(args.model).parent
-    kv_memory = None if args.kv_memory_gib is None else int(args.kv_memory_gib * GIB)
-    profile = None if kv_memory is not None else load_gpu_profile(args.gpus, args.gpu)
+def report(model: str, *, gpu: str, gpus: str, kv_memory_gib: float | None, gpu_memory_utilization: float,
+           context: int, tp: int, kv_dtype: str, block_size: int) -> dict:
+    """Capacity of `model` (a folder or its config.json) split over `tp` GPUs of profile
+    `gpu` in the profiles file `gpus`, or with exactly `kv_memory_gib` of KV memory per GPU:
+    KV bytes per token, blocks, KV cache tokens, concurrent sessions of `context` tokens."""
+    _check_numbers(context=context, tp=tp, block_size=block_size, kv_memory_gib=kv_memory_gib,
+                   gpu_memory_utilization=gpu_memory_utilization)
+    config = _read_model_config(model, tp)
+    model_dir = Path(model) if Path(model).is_dir() else Path(model).parent
+    kv_memory = None if kv_memory_gib is None else int(kv_memory_gib * GIB)
+    profile = None if kv_memory is not None else load_gpu_profile(gpus, gpu)
     try:
-        spec, weights, kv_memory = kv_memory_for(model_dir, config, profile=profile, tp=args.tp,
-                                                 utilization=args.gpu_memory_utilization, kv_dtype=args.kv_dtype,
+        spec, weights, kv_memory = kv_memory_for(model_dir, config, profile=profile, tp=tp,
+                                                 utilization=gpu_memory_utilization, kv_dtype=kv_dtype,
                                                  kv_memory_bytes=kv_memory)
     except (KeyError, ValueError, TypeError, ArithmeticError) as err:
         raise UserError(str(model_dir), f"weights' size not computable ({str(err)[:200]})",
                         "pass a folder with a decoder model's config.json and safetensors files") from None
-    cap = capacity(spec, kv_memory_bytes=kv_memory, block_size=args.block_size, context_length=args.context)
-    return {**cap.__dict__, "weights_bytes": weights, "session_kv_bytes": spec.session_bytes(args.context),
+    cap = capacity(spec, kv_memory_bytes=kv_memory, block_size=block_size, context_length=context)
+    return {**cap.__dict__, "weights_bytes": weights, "session_kv_bytes": spec.session_bytes(context),
             "full_attention_layers": spec.full_layers, "sliding_layers": spec.sliding_layers,
             "fixed_state_layers": spec.other_layers}
-
-
-def run_kv(args) -> int:
-    report = estimate(args)
-    if args.json:
-        print(json.dumps(report, sort_keys=True))
-    else:
-        width = max(map(len, report))
-        for key, value in report.items():
-            print(f"{key:<{width}}  {value:,.2f}" if isinstance(value, float) else f"{key:<{width}}  {value:,}")
-    return 0

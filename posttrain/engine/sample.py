@@ -2,7 +2,7 @@
 
 Run as its own process (vLLM spawns workers, so it must start under `__main__`):
 
-    python -m posttrain.vllm_sample --job JOB.json --out OUT.json
+    python -m posttrain.engine.sample --job JOB.json --out OUT.json
 
 JOB holds `models` (name -> folder), `prompts`, `n`, `temperature`, `max_tokens`, `seed`.
 One engine serves every model where it can: it starts on the first, and each later model
@@ -69,7 +69,7 @@ def sample(job: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m posttrain.vllm_sample")
+    parser = argparse.ArgumentParser(prog="python -m posttrain.engine.sample")
     parser.add_argument("--job", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

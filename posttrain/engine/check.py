@@ -2,7 +2,7 @@
 
 Run as its own process (vLLM spawns workers, so it must start under `__main__`):
 
-    python -m posttrain.vllm_check MODEL --kv-memory-bytes N --context L --out FILE
+    python -m posttrain.engine.check MODEL --kv-memory-bytes N --context L --out FILE
 
 FILE receives vLLM's figures, read from the engine's cache config rather than its logs:
 block size, number of blocks, KV cache tokens, maximum concurrency for L-token requests.
@@ -26,7 +26,7 @@ def engine_capacity(model_dir: str, *, kv_memory_bytes: int, context_length: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m posttrain.vllm_check")
+    parser = argparse.ArgumentParser(prog="python -m posttrain.engine.check")
     parser.add_argument("model")
     parser.add_argument("--kv-memory-bytes", type=int, required=True)
     parser.add_argument("--context", type=int, required=True)
