@@ -16,15 +16,20 @@ import yaml
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from posttrain import registry, summary, workspace
+from flows import ephemeral_api
+from posttrain import crash, registry, summary, workspace
 from posttrain.config import load_config
 from posttrain.io import PARAMS_FILE, final_model_dir, flatten_params, read_json, run_metrics
 from posttrain.tracking import OUTCOMES_ARTIFACT, dvc_lock_hashes, experiment_id, provenance, tracking_uri
 from tasks.data import previous_result, version_data
 from tasks.dvc_stages import push_data, run_stage, stage_order
+from tasks.recovery import mark_dead_runs
 
 
 MODELS = "artifacts/models"  # dvc.yaml's model folders
+
+# Prefect's temporary API server (no PREFECT_API_URL) must not outlive a killed run.
+ephemeral_api.bind_to_process()
 
 
 def read_outcomes(workdir: str) -> dict | None:
@@ -47,13 +52,15 @@ def retrain(workdir: str = ".") -> dict:
     First new data in `incoming/` is validated and versioned; then, if nothing changed
     since the last finished run, the run says so and stops; else every stage runs (or
     is found up to date by DVC) under one MLflow parent run, and the result is promoted.
-    One run at a time per workspace: a second waits for the lock.
+    One run at a time per workspace: a second waits for the lock. Holding it, the run
+    marks what a killed run of the workspace left RUNNING in MLflow as KILLED.
     """
     logger = get_run_logger()
     workdir = str(Path(workdir).resolve())
     with workspace.lock(workdir, log=logger.warning):
         config = load_config(Path(workdir) / PARAMS_FILE)
         uri = tracking_uri(config, workdir)
+        mark_dead_runs(workdir, uri)
         added = version_data(workdir, config)
         if added:  # pushed now: the batch has left incoming/, the remote must hold it whatever follows
             logger.info(f"versioned new data: {', '.join(added)}; {push_data(workdir, added)}")
@@ -76,7 +83,7 @@ def run_pipeline(config, workdir: str, uri: str, logger) -> tuple[dict, str]:
     stage_task = run_stage.with_options(retries=config.orchestration.retries,
                                         retry_delay_seconds=config.orchestration.retry_delay_seconds)
     with mlflow.start_run(experiment_id=exp, run_name=f"retrain-{time.strftime('%Y%m%d-%H%M%S')}") as parent:
-        mlflow.set_tags({**provenance(config, workdir), "posttrain.flow": "retrain"})
+        mlflow.set_tags({**provenance(config, workdir), **crash.process_tags(), "posttrain.flow": "retrain"})
         mlflow.log_text(yaml.safe_dump(config.model_dump(by_alias=True), sort_keys=False), "config.resolved.yaml")
         mlflow.log_artifact(str(Path(workdir) / PARAMS_FILE), "params")  # as written: what replay restores
         params = flatten_params(config.model_dump(by_alias=True))  # what `posttrain compare` diffs

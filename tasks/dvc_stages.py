@@ -11,7 +11,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NONE
 
-from posttrain import workspace
+from posttrain import crash, workspace
 from posttrain.workspace import stage_env, tool_path
 from posttrain.io import flatten
 from posttrain.tracking import stage_outputs
@@ -27,13 +27,20 @@ def stage_order(workdir: str) -> list[dict]:
 
 
 def run_logged(cmd: list[str], *, cwd: str, env: dict, log_path: Path) -> tuple[int, str]:
-    """Run `cmd`, echoing its output and saving it to `log_path`; returns (exit code, tail)."""
+    """Run `cmd`, echoing its output and saving it to `log_path` line by line (what a
+    killed run leaves is the log up to its end); returns (exit code, tail).
+
+    `cmd` dies with this process (kill -9 included), and its children once they next
+    write to the closed pipe: a killed run leaves no stage running on.
+    """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     tail: deque[str] = deque(maxlen=20)
-    with open(log_path, "w") as log, subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                                      stderr=subprocess.STDOUT, text=True) as proc:
+    with open(log_path, "w", buffering=1) as log, subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            preexec_fn=crash.die_with_this_thread()) as proc:
         for line in proc.stdout:
             sys.stdout.write(line)
+            sys.stdout.flush()
             log.write(line)
             tail.append(line.rstrip())
     return proc.returncode, "\n".join(tail)
@@ -53,7 +60,8 @@ def run_stage(stage: dict, workdir: str, parent_run_id: str, tracking_uri: str) 
     child = client.create_run(parent.info.experiment_id, run_name=stage["name"],
                               tags={"mlflow.parentRunId": parent_run_id, "posttrain.stage": stage["name"]})
     run_id = child.info.run_id
-    env = stage_env(workdir, MLFLOW_RUN_ID=run_id, MLFLOW_TRACKING_URI=tracking_uri)
+    # unbuffered: the stage's lines reach its log as they are printed
+    env = stage_env(workdir, MLFLOW_RUN_ID=run_id, MLFLOW_TRACKING_URI=tracking_uri, PYTHONUNBUFFERED="1")
     log_path = Path(workdir) / "logs" / f"{stage['name']}.log"
     code, tail = run_logged([tool_path("dvc"), "repro", "--single-item", stage["name"]], cwd=workdir, env=env,
                             log_path=log_path)

@@ -1,0 +1,113 @@
+"""kill -9 of `posttrain run` mid-GRPO leaves nothing behind: no process of the run
+(Prefect's temporary API server, the stage) lives on, the stage log holds what the stage
+printed, and the next run marks the dead MLflow runs KILLED and resumes GRPO from its
+checkpoint. Which RUNNING runs count as dead: a table on a local store."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from contextlib import suppress
+
+import psutil
+import pytest
+from mlflow import MlflowClient
+
+from conftest import BIN, CHILD_ENV_DROP, SMALL, make_workspace, sh
+from posttrain.crash import CRASH_TAG, HOST_TAG, PID_TAG, mark_dead_runs
+
+
+def start_run(ws, out):
+    """`posttrain run` in the background, in a process group of its own (as `sh` runs it)."""
+    env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROP}
+    env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
+    return subprocess.Popen([str(BIN / "posttrain"), "run", "--workdir", str(ws)], cwd=ws, env=env,
+                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_mid_grpo(ws, out) -> tuple[int, dict[int, str]]:
+    """Start a run, SIGKILL its process alone once GRPO has saved a checkpoint; returns the
+    killed pid and what of its process tree outlived it by 15 s (pid: command line)."""
+    run = start_run(ws, out)
+    try:
+        deadline = time.monotonic() + 600
+        while not list(ws.glob("checkpoints/grpo/dense/*/checkpoint-*/trainer_state.json")):
+            assert run.poll() is None and time.monotonic() < deadline, out.name
+            time.sleep(0.5)
+        tree = psutil.Process(run.pid).children(recursive=True)
+        commands = {p.pid: " ".join(p.cmdline()) for p in tree}
+        assert any("uvicorn" in c and "prefect" in c for c in commands.values()), commands  # the temporary API
+        os.kill(run.pid, signal.SIGKILL)  # not the group: what it started must go by itself
+        run.wait()
+        _, alive = psutil.wait_procs(tree, timeout=15)
+        return run.pid, {p.pid: commands[p.pid] for p in alive if p.status() != psutil.STATUS_ZOMBIE}
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)  # whatever the test found alive
+
+
+def runs(ws) -> dict:
+    client = MlflowClient(f"sqlite:///{ws / 'mlflow.db'}")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    return {r.info.run_id: r for r in client.search_runs(experiments)}
+
+
+@pytest.mark.slow
+def test_kill_9_mid_grpo_leaves_nothing_behind(tmp_path):
+    config = copy.deepcopy(SMALL)
+    config["grpo"]["dense"]["trl"].update(max_steps=16, save_steps=2)  # killed after step 2, long before 16
+    ws = make_workspace(tmp_path / "ws", config)
+    with open(tmp_path / "killed.out", "w") as out:
+        pid, survivors = kill_mid_grpo(ws, out)
+    assert survivors == {}
+    log = (ws / "logs" / "grpo@dense.log").read_text()
+    assert "Running stage 'grpo@dense'" in log and "'loss'" in log  # written as it went, up to step 2's logs
+    left = {i: r for i, r in runs(ws).items() if r.info.status == "RUNNING"}
+    parent = next(i for i, r in left.items() if "mlflow.parentRunId" not in r.data.tags)
+    assert sorted(r.data.tags.get("mlflow.parentRunId", "") for r in left.values()) == ["", parent]  # and its grpo run
+
+    sh("posttrain", "run", "--workdir", ws, cwd=ws, timeout=600)
+    after = runs(ws)
+    for run_id in left:
+        assert after[run_id].info.status == "KILLED"
+        assert after[run_id].data.tags[CRASH_TAG].startswith(f"process {pid} on "), after[run_id].data.tags
+        assert " died; marked by process " in after[run_id].data.tags[CRASH_TAG]
+    assert not [r for r in after.values() if r.info.status == "RUNNING"]
+    assert "posttrain: resuming from" in (ws / "logs" / "grpo@dense.log").read_text()
+    assert json.loads((ws / "metrics" / "grpo" / "dense.json").read_text())["resumed_from_step"] >= 2
+
+
+def test_only_dead_retrain_runs_of_this_workspace_are_marked(tmp_path):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("e", artifact_location=(tmp_path / "a").as_uri())
+    ws, here = str(tmp_path / "ws"), socket.gethostname()
+
+    def retrain_run(workspace=ws, host=here, status="RUNNING"):
+        tags = {"posttrain.flow": "retrain", "posttrain.workspace": workspace, PID_TAG: "41", HOST_TAG: host}
+        run_id = client.create_run(exp, tags=tags).info.run_id
+        if status != "RUNNING":
+            client.set_terminated(run_id, status)
+        return run_id
+
+    dead = retrain_run()
+    cases = {
+        dead: "KILLED",                                                                  # this workspace's, RUNNING
+        client.create_run(exp, tags={"mlflow.parentRunId": dead}).info.run_id: "KILLED",  # its stage run
+        retrain_run(workspace=str(tmp_path / "other")): "RUNNING",                      # another workspace's
+        retrain_run(host="elsewhere"): "RUNNING",                                       # another host's lock
+        retrain_run(status="FINISHED"): "FINISHED",                                     # not left running
+        # a stage run of a plain `dvc repro` (no flow: no lock held)
+        client.create_run(exp, tags={"posttrain.workspace": ws, "posttrain.stage": "sft"}).info.run_id: "RUNNING",
+    }
+    marked = mark_dead_runs(client.tracking_uri, ws, "test")
+    assert sorted(marked) == sorted(i for i, status in cases.items() if status == "KILLED")
+    for run_id, status in cases.items():
+        run = client.get_run(run_id)
+        assert run.info.status == status
+        assert (CRASH_TAG in run.data.tags) == (status == "KILLED")
+    assert client.get_run(dead).data.tags[CRASH_TAG].startswith(f"process 41 on {here} died; marked by test at ")
