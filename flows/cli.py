@@ -60,7 +60,10 @@ def run_workspace(args) -> None:
         if args.config:
             workspace.prepare(workdir, read_config_dict(Path(args.config)))
         check_pending(workdir, load_config(os.path.join(workdir, PARAMS_FILE)))  # bad rows: exit 2 here
+        from flows import ephemeral_api
         from flows.retrain import retrain
+
+        ephemeral_api.bind_to_process()  # Prefect's temporary API server ends with this process, kill -9 included
         retrain(workdir=workdir)
 
 

@@ -14,7 +14,7 @@ import subprocess
 import threading
 import types
 
-from posttrain.crash import die_with_this_thread
+from posttrain.lifetime import die_with_this_thread
 
 
 class _Popen(subprocess.Popen):

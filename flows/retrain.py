@@ -16,7 +16,6 @@ import yaml
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows import ephemeral_api
 from posttrain import crash, registry, summary, workspace
 from posttrain.config import load_config
 from posttrain.io import PARAMS_FILE, final_model_dir, flatten_params, read_json, run_metrics
@@ -27,9 +26,6 @@ from tasks.recovery import mark_dead_runs
 
 
 MODELS = "artifacts/models"  # dvc.yaml's model folders
-
-# Prefect's temporary API server (no PREFECT_API_URL) must not outlive a killed run.
-ephemeral_api.bind_to_process()
 
 
 def read_outcomes(workdir: str) -> dict | None:

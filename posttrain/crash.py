@@ -1,61 +1,25 @@
-"""What a killed run leaves behind: its child processes die with it, and the next run
-marks the MLflow runs it left RUNNING.
+"""What a killed run leaves in MLflow: the next run marks the runs it left RUNNING.
 
 A process killed with SIGKILL runs no `finally` and no `atexit`: its MLflow runs keep
-the status RUNNING and its children (a server, a stage) keep running. Linux's
-parent-death signal ends the children with it; the workspace lock (held by every live
-retrain run of a workspace, posttrain.workspace.lock) tells the next run that a RUNNING
-run of the workspace is dead.
+the status RUNNING (its child processes end with it: posttrain.lifetime). The workspace
+lock (held by every live retrain run of a workspace, posttrain.workspace.lock) tells the
+next run that a RUNNING run of the workspace is dead.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
-import signal
 import socket
-import sys
 import time
 from pathlib import Path
 
 CRASH_TAG = "posttrain.crashed"  # on a run marked dead: who died, who marked it, when
 PID_TAG, HOST_TAG = "posttrain.pid", "posttrain.host"  # on a retrain run: the process running it
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-# looked up here, not in a forked child (where the loader's lock may be held by a thread that is not there)
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
 def process_tags() -> dict[str, str]:
     """The process running a retrain run: what the next run names when it finds the run dead."""
     return {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}
-
-
-def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
-    """Have the kernel send this process `sig` when its parent (the thread that started
-    it) ends, however it ends: kill -9 included (Linux; nothing elsewhere). `parent`: the
-    pid it must still have, else it is gone already and `sig` comes now."""
-    if _PRCTL is None:
-        return
-    _PRCTL(PR_SET_PDEATHSIG, sig)
-    if parent is not None and os.getppid() != parent:
-        os.kill(os.getpid(), sig)
-
-
-def die_with_dvc() -> None:
-    """A stage command run by `dvc repro` (DVC sets DVC_STAGE) ends when that dvc process
-    ends, which ends with the flow that runs it: a killed run leaves no stage training on
-    (the stage's lines would otherwise go to a closed pipe for as long as it runs).
-    Run by hand, it is left alone (nohup keeps working)."""
-    if os.environ.get("DVC_STAGE"):
-        die_with_parent()
-
-
-def die_with_this_thread(sig: int = signal.SIGKILL):
-    """A `preexec_fn` for `subprocess.Popen`: the child dies with `sig` when the thread
-    that starts it ends (die_with_parent). The signal follows that thread, not the
-    process: start a child that must live as long as this process from the main thread."""
-    return functools.partial(die_with_parent, sig, os.getpid()) if _PRCTL else None
 
 
 def mark_dead_runs(tracking_uri: str, workspace: str | Path, marked_by: str) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NONE
 
-from posttrain import crash, workspace
+from posttrain import lifetime, workspace
 from posttrain.workspace import stage_env, tool_path
 from posttrain.io import flatten
 from posttrain.tracking import stage_outputs
@@ -37,7 +37,7 @@ def run_logged(cmd: list[str], *, cwd: str, env: dict, log_path: Path) -> tuple[
     tail: deque[str] = deque(maxlen=20)
     with open(log_path, "w", buffering=1) as log, subprocess.Popen(
             cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            preexec_fn=crash.die_with_this_thread()) as proc:
+            preexec_fn=lifetime.die_with_this_thread()) as proc:
         for line in proc.stdout:
             sys.stdout.write(line)
             sys.stdout.flush()
