@@ -27,7 +27,7 @@ import mlflow
 import pytest
 import yaml
 
-from conftest import SMALL, make_workspace, sh
+from conftest import copy_workspace, sh
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "posttrain"
@@ -264,10 +264,9 @@ def dvc_changed(ws: Path) -> dict[str, set[str]]:
 
 
 @pytest.mark.slow
-def test_a_changed_module_reruns_the_stages_that_run_it(tmp_path):
-    ws = make_workspace(tmp_path / "ws", SMALL)
-    # the stages run the workspace's copy of posttrain, as the flow runs them
-    sh("dvc", "repro", cwd=ws, env={"PYTHONPATH": str(ws)})
+def test_a_changed_module_reruns_the_stages_that_run_it(flow_runs, tmp_path):
+    # a copy of the workspace tests/test_flow.py ran: every stage is up to date
+    ws = copy_workspace(flow_runs[0], tmp_path / "ws")
     assert dvc_changed(ws) == {}
 
     # every library file changed at once: each DVC stage sees all the code its command runs
@@ -289,8 +288,9 @@ def test_a_changed_module_reruns_the_stages_that_run_it(tmp_path):
     assert set(dvc_changed(ws)) == {"sft", "grpo@dense", "evaluate"}
     sh("posttrain", "run", "--workdir", ws, cwd=ws)
     mlflow.set_tracking_uri(f"sqlite:///{ws / 'mlflow.db'}")
-    runs = mlflow.search_runs(search_all_experiments=True)
-    children = runs[runs["tags.mlflow.parentRunId"].notna()].set_index("tags.mlflow.runName")
+    runs = mlflow.search_runs(search_all_experiments=True, order_by=["start_time DESC"])
+    last = runs[runs["tags.posttrain.flow"] == "retrain"].iloc[0].run_id       # the rerun's parent run
+    children = runs[runs["tags.mlflow.parentRunId"] == last].set_index("tags.mlflow.runName")
     cached = {stage: tag == "true" for stage, tag in children["tags.posttrain.cached"].items()}
     assert {k: cached[k] for k in ("prepare", "sft", "grpo@dense", "evaluate")} == {
         "prepare": True, "sft": False, "grpo@dense": False, "evaluate": False}
