@@ -1,5 +1,5 @@
 """The `posttrain` command: the library's commands (posttrain/cli.py) plus the two that
-start flows, `run` and `serve`. It lives on the flows side so that the library never
+drive the pipeline's DVC graph, `run`, `serve` and `replay`. It lives on the flows side so that the library never
 imports a flow: dependencies point one way, flows -> tasks -> posttrain.
 """
 
@@ -15,6 +15,7 @@ from posttrain.io import PARAMS_FILE
 
 
 def add_flow_commands(sub) -> None:
+    """`run`, `serve` and `replay`: the commands that drive the pipeline's DVC graph."""
     run = sub.add_parser("run", help="run the retrain flow (Prefect) on a workspace")
     run.add_argument("--workdir", help="git + DVC workspace holding dvc.yaml and " + PARAMS_FILE +
                      " (default: this folder, or runs/<config name> with --config)")
@@ -26,6 +27,10 @@ def add_flow_commands(sub) -> None:
     serve.add_argument("--timezone", default="UTC")
     serve.add_argument("--name", default="nightly", help="deployment name: runs are `retrain/<name>`; "
                        "one name per workspace (a second serve with the same name takes the deployment over)")
+    replay = sub.add_parser("replay", help="rerun a recorded retrain run from its git + DVC state, compare metrics")
+    replay.add_argument("run_id", metavar="RUN_ID", help="the retrain (parent) run's id")
+    replay.add_argument("--scratch", help="empty folder for the checkout (default: a new temporary folder)")
+    replay.add_argument("--tracking-uri", help="default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here")
 
 
 def dispatch(args) -> int:
@@ -35,6 +40,12 @@ def dispatch(args) -> int:
     if args.command == "serve":
         serve_workspace(args)
         return 0
+    if args.command == "replay":
+        from flows.replay import replay
+
+        report, differ = replay(args.run_id, tracking_uri=cli.cli_tracking_uri(args), scratch=args.scratch)
+        print(report)
+        return 1 if differ else 0
     return cli.dispatch(args)
 
 
@@ -45,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_workspace(args) -> None:
     """`posttrain run`: check the inputs, then the flow, holding the workspace's lock
     throughout (a variant's workspace is rewritten first: not under a running flow)."""
+    from flows.lock import lock
     from posttrain import workspace
     from posttrain.config import load_config, read_config_dict
     from posttrain.ingest import check_pending
@@ -56,7 +68,7 @@ def run_workspace(args) -> None:
     if not (Path(workdir, "dvc.yaml").is_file() and Path(workdir, ".dvc").is_dir()):
         raise UserError(f"posttrain run --workdir {workdir}", "not a DVC workspace (no dvc.yaml or .dvc/)",
                         "run in this repository's root, or use --config FILE to create a workspace")
-    with workspace.lock(workdir, log=lambda message: print(message, file=sys.stderr, flush=True)):
+    with lock(workdir, log=lambda message: print(message, file=sys.stderr, flush=True)):
         if args.config:
             workspace.prepare(workdir, read_config_dict(Path(args.config)))
         check_pending(workdir, load_config(os.path.join(workdir, PARAMS_FILE)))  # bad rows: exit 2 here

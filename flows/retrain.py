@@ -16,7 +16,8 @@ import yaml
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from posttrain import crash, registry, summary, workspace
+from flows.lock import lock
+from posttrain import crash, registry, summary
 from posttrain.config import load_config
 from posttrain.io import PARAMS_FILE, final_model_dir, flatten_params, read_json, run_metrics
 from posttrain.tracking import OUTCOMES_ARTIFACT, dvc_lock_hashes, experiment_id, provenance, tracking_uri
@@ -53,7 +54,7 @@ def retrain(workdir: str = ".") -> dict:
     """
     logger = get_run_logger()
     workdir = str(Path(workdir).resolve())
-    with workspace.lock(workdir, log=logger.warning):
+    with lock(workdir, log=logger.warning):
         config = load_config(Path(workdir) / PARAMS_FILE)
         uri = tracking_uri(config, workdir)
         mark_dead_runs(workdir, uri)

@@ -47,10 +47,6 @@ def build_parser(add_commands=None) -> argparse.ArgumentParser:
     stage.add_argument("flags", nargs=argparse.REMAINDER, help="--config FILE --data-dir data ... (see dvc.yaml)")
     if add_commands:
         add_commands(sub)
-    replay = sub.add_parser("replay", help="rerun a recorded retrain run from its git + DVC state, compare metrics")
-    replay.add_argument("run_id", metavar="RUN_ID", help="the retrain (parent) run's id")
-    replay.add_argument("--scratch", help="empty folder for the checkout (default: a new temporary folder)")
-    replay.add_argument("--tracking-uri", help="default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here")
     add_kv_parser(sub)
     compare = sub.add_parser("compare", help="runs side by side: differing params, metrics with deltas, a plot")
     compare.add_argument("runs", nargs="+", metavar="RUN", help="run ids, or the aliases champion / challenger")
@@ -98,12 +94,6 @@ def dispatch(args) -> int:
         check_out(args.out)
         print(compare(args.runs, out=args.out, tracking_uri=cli_tracking_uri(args), model_name=args.model_name,
                       alpha=args.alpha, resamples=args.resamples))
-    elif args.command == "replay":
-        from posttrain.replay import replay
-
-        report, differ = replay(args.run_id, tracking_uri=cli_tracking_uri(args), scratch=args.scratch)
-        print(report)
-        return 1 if differ else 0
     elif args.command == "kv":
         print_kv(args)
     return 0

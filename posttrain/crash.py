@@ -2,7 +2,7 @@
 
 A process killed with SIGKILL runs no `finally` and no `atexit`: its MLflow runs keep
 the status RUNNING (its child processes end with it: posttrain.lifetime). The workspace
-lock (held by every live retrain run of a workspace, posttrain.workspace.lock) tells the
+lock (held by every live retrain run of a workspace, flows.lock) tells the
 next run that a RUNNING run of the workspace is dead.
 """
 

@@ -8,13 +8,10 @@ resolved config as its complete `configs/pipeline.yaml`, and commits it.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
@@ -119,70 +116,3 @@ def prepare(workdir: str | Path, config: dict) -> Path:
     if staged.returncode:
         commit(workdir, "posttrain workspace: code and config updated")
     return workdir
-
-
-LOCK = ".dvc/tmp/posttrain-retrain.lock"
-_HELD: set[str] = set()
-
-
-@contextlib.contextmanager
-def lock(workdir: str | Path, log=print):
-    """Hold the workspace's retrain lock for the block; a second run waits its turn.
-
-    Two runs on one workspace would write the same outputs; DVC's own lock would fail
-    the second one part-way, so it queues here instead, saying whom it waits for.
-    """
-    path = Path(workdir).resolve() / LOCK
-    if str(path) in _HELD:  # this process holds it already (the CLI around the flow)
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            log(f"another retrain run holds {path} ({fh.read().strip() or 'unknown'}); waiting for it to finish")
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
-        fh.flush()
-        _HELD.add(str(path))
-        try:
-            yield
-        finally:
-            _HELD.discard(str(path))
-            fh.truncate(0)
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def stages(workdir: str | Path) -> list[dict]:
-    """The pipeline's stages in the order `dvc repro` runs them: `{"name", "metrics"}`,
-    the name as `dvc repro` takes it inside `workdir`, the metrics files relative to it.
-    `.dvc` files (versioned data in datasets/) have no command and are left out."""
-    from dvc.repo import Repo
-    from dvc.repo.reproduce import get_active_graph, plan_repro
-
-    with Repo(str(workdir)) as repo:
-        planned = plan_repro(get_active_graph(repo.index.graph))
-        return [{"name": address(s, repo.root_dir), "metrics": [o.def_path for o in s.outs if o.metric]}
-                for s in planned if getattr(s, "cmd", None)]
-
-
-def address(stage, root: str) -> str:
-    """The stage's name as `dvc repro` takes it inside `root` (DVC's own `addressing`
-    is relative to the process's folder, which differs when the flow runs a workspace
-    elsewhere, e.g. `posttrain run --config` from the repository root)."""
-    dvcfile = os.path.relpath(stage.path, root)
-    return stage.name if dvcfile == "dvc.yaml" else f"{dvcfile}:{stage.name}"
-
-
-def stage_metrics(workdir: str | Path, stage: dict) -> dict:
-    """A stage's metrics files, merged (what the flow logs for it)."""
-    from posttrain.io import read_json
-
-    metrics = {}
-    for path in stage["metrics"]:
-        metrics.update(read_json(Path(workdir) / path))
-    return metrics

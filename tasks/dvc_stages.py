@@ -1,8 +1,9 @@
-"""Tasks that drive DVC: the stage order, one stage's run, pushing data to the remote."""
+"""Tasks that drive DVC: the stage order (read from DVC's graph), one stage's run, pushing data to the remote."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections import deque
@@ -11,19 +12,50 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NONE
 
-from posttrain import lifetime, workspace
+from posttrain import lifetime
 from posttrain.workspace import stage_env, tool_path
-from posttrain.io import flatten
+from posttrain.io import flatten, read_json
 from posttrain.tracking import stage_outputs
 
 # DVC is the cache; Prefect must never skip a stage on its own.
 TASK_DEFAULTS = {"cache_policy": NONE}
 
 
+def stages(workdir: str | Path) -> list[dict]:
+    """The pipeline's stages in the order `dvc repro` runs them: `{"name", "metrics"}`,
+    the name as `dvc repro` takes it inside `workdir`, the metrics files relative to it.
+    `.dvc` files (versioned data in datasets/) have no command and are left out."""
+    import networkx as nx
+    from dvc.repo import Repo
+
+    with Repo(str(workdir)) as repo:
+        # DVC's graph points from a stage to the stages it depends on: a post-order walk
+        # visits every dependency first, as `dvc repro` does (networkx, not DVC's planner)
+        planned = nx.dfs_postorder_nodes(repo.index.graph)
+        return [{"name": address(s, repo.root_dir), "metrics": [o.def_path for o in s.outs if o.metric]}
+                for s in planned if getattr(s, "cmd", None)]
+
+
+def address(stage, root: str) -> str:
+    """The stage's name as `dvc repro` takes it inside `root` (DVC's own `addressing`
+    is relative to the process's folder, which differs when the flow runs a workspace
+    elsewhere, e.g. `posttrain run --config` from the repository root)."""
+    dvcfile = os.path.relpath(stage.path, root)
+    return stage.name if dvcfile == "dvc.yaml" else f"{dvcfile}:{stage.name}"
+
+
+def stage_metrics(workdir: str | Path, stage: dict) -> dict:
+    """A stage's metrics files, merged (what the flow logs for it)."""
+    metrics = {}
+    for path in stage["metrics"]:
+        metrics.update(read_json(Path(workdir) / path))
+    return metrics
+
+
 @task(name="stage_order", **TASK_DEFAULTS)
 def stage_order(workdir: str) -> list[dict]:
     """Stages in the order `dvc repro` runs them, each with its metrics files."""
-    return workspace.stages(workdir)
+    return stages(workdir)
 
 
 def run_logged(cmd: list[str], *, cwd: str, env: dict, log_path: Path) -> tuple[int, str]:
@@ -72,7 +104,7 @@ def run_stage(stage: dict, workdir: str, parent_run_id: str, tracking_uri: str) 
     if code != 0:
         client.set_terminated(run_id, "FAILED")
         raise RuntimeError(f"stage {stage['name']!r} failed (dvc exit {code}); last lines:\n{tail}")
-    metrics = workspace.stage_metrics(workdir, stage)
+    metrics = stage_metrics(workdir, stage)
     if client.get_run(run_id).data.tags.get("posttrain.executed") != "true":
         client.set_tag(run_id, "posttrain.cached", "true")
         for name, value in flatten(metrics).items():

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import SMALL, make_workspace
 from hardening import assert_nothing_left, assert_refused, cli, state
-from posttrain import workspace
+from flows.lock import lock
 from posttrain.io import PARAMS_FILE
 from posttrain.config import load_config
 
@@ -58,7 +58,7 @@ def incoming_is_a_file(incoming):
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory):
     ws = make_workspace(tmp_path_factory.mktemp("ingest") / "ws", SMALL)
-    with workspace.lock(ws, log=lambda _: None):  # the lock file every run leaves behind
+    with lock(ws, log=lambda _: None):  # the lock file every run leaves behind
         pass
     load_config(ws / PARAMS_FILE)  # imports TRL's config classes (seconds): timed here, not in the first case
     return ws

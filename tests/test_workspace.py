@@ -11,7 +11,8 @@ import yaml
 from conftest import SMALL, make_workspace
 from posttrain import workspace
 from posttrain.errors import UserError
-from tasks.dvc_stages import stage_order
+from flows.lock import lock
+from tasks.dvc_stages import stage_order, stages
 
 
 def test_stage_names_do_not_depend_on_the_current_folder(tmp_path, monkeypatch):
@@ -33,9 +34,9 @@ def test_create_refuses_a_non_empty_folder_and_prepare_replaces_the_config(tmp_p
 
 def test_a_second_run_waits_for_the_lock_and_says_whom_it_waits_for(tmp_path):
     ws = make_workspace(tmp_path / "ws", SMALL)
-    code = ("import sys; from posttrain import workspace\n"
-            "with workspace.lock(sys.argv[1], log=lambda m: print(m, flush=True)):\n    print('got the lock', flush=True)\n")
-    with workspace.lock(ws, log=print):
+    code = ("import sys; from flows.lock import lock\n"
+            "with lock(sys.argv[1], log=lambda m: print(m, flush=True)):\n    print('got the lock', flush=True)\n")
+    with lock(ws, log=print):
         second = subprocess.Popen([sys.executable, "-c", code, str(ws)], stdout=subprocess.PIPE, text=True)
         first_line = second.stdout.readline()
         assert "another retrain run holds" in first_line and f"pid {os.getpid()}" in first_line
@@ -59,7 +60,7 @@ def test_a_wheel_holds_what_a_workspace_needs(tmp_path):
 
     repo = workspace.PACKAGE.parent
     # the template's links to dvc.yaml are package data, not a second pipeline (.dvcignore)
-    assert [s["name"] for s in workspace.stages(repo)] == ["prepare", "sft", "grpo@dense", "serving", "evaluate"]
+    assert [s["name"] for s in stages(repo)] == ["prepare", "sft", "grpo@dense", "serving", "evaluate"]
     source = tmp_path / "source"   # setuptools builds in the source folder: a copy, not this checkout
     for path in ("pyproject.toml", "README.md", "dvc.yaml", ".gitignore", ".dvcignore", "datasets/README.md"):
         (source / path).parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ commit into a scratch folder, restores the config, pulls the versioned data
 (`datasets/`) from the workspace's DVC remote, reruns every stage there (`dvc repro`,
 into a scratch MLflow store, so the recorded runs are not touched) and compares each
 metric. Wall-clock metrics (seconds, throughput, latency) are shown but not compared.
+It drives DVC's stage graph as the retrain flow does, so it lives beside the flows.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from pathlib import Path
 from posttrain.errors import ReplayError, UserError
 from posttrain.io import PARAMS_FILE, run_metrics
 from posttrain.tracking import package_versions
-from posttrain.workspace import run_checked, stage_env, stage_metrics, stages, tool_path
+from posttrain.workspace import run_checked, stage_env, tool_path
+from tasks.dvc_stages import stage_metrics, stages
 
 # What a run reads besides the config file: its code, stage graph and versioned data.
 PIPELINE_INPUTS = ("dvc.yaml", "posttrain/", "configs/", "datasets/")
