@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from posttrain import stats, workspace  # noqa: E402
 from posttrain.config import read_config_dict  # noqa: E402
-from posttrain.io import read_json  # noqa: E402
+from posttrain.files import read_json  # noqa: E402
 
 K = 8
 BAND, GAIN, GRPO_SECONDS = (0.2, 0.7), 0.15, 480.0  # issue 11's acceptance

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from posttrain import cli
 from posttrain.errors import UserError
-from posttrain.io import PARAMS_FILE
+from posttrain.layout import PARAMS_FILE
 
 
 def add_flow_commands(sub) -> None:

@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 
 from posttrain.errors import ReplayError, UserError
-from posttrain.io import PARAMS_FILE, run_metrics
-from posttrain.tracking import package_versions
+from posttrain.layout import PARAMS_FILE
+from posttrain.tracking import run_metrics, package_versions
 from posttrain.workspace import run_checked, stage_env, tool_path
 from tasks.dvc_stages import stage_metrics, stages
 

@@ -2,44 +2,27 @@
 
 Runs on Prefect's ephemeral local API by default, on a Prefect server when
 `PREFECT_API_URL` is set (`posttrain serve` runs it there on a schedule: flows/deploy.py).
-Each stage is a `run_stage` task (retried on failure) that runs `dvc repro --single-item`
-under an MLflow child run.
+The flow only chains tasks, each one side effect that Prefect shows (and retries where
+it says so): a stage is a child run, `dvc repro --single-item` (retried on failure) and
+the record of what it did.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-import mlflow
-import yaml
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
 
 from flows.lock import lock
-from posttrain import crash, registry, summary
+from posttrain import summary
 from posttrain.config import load_config
-from posttrain.io import PARAMS_FILE, final_model_dir, flatten_params, read_json, run_metrics
-from posttrain.tracking import OUTCOMES_ARTIFACT, dvc_lock_hashes, experiment_id, provenance, tracking_uri
+from posttrain.layout import PARAMS_FILE
+from posttrain.tracking import tracking_uri
 from tasks.data import previous_result, version_data
-from tasks.dvc_stages import push_data, run_stage, stage_order
+from tasks.dvc_stages import push_data, record_stage, repro_stage, stage_order, start_stage_run
 from tasks.recovery import mark_dead_runs
-
-
-MODELS = "artifacts/models"  # dvc.yaml's model folders
-
-
-def read_outcomes(workdir: str) -> dict | None:
-    """The evaluate stage's per-prompt outcomes (dvc.yaml's `reports/heldout_outcomes.json`)."""
-    path = Path(workdir) / OUTCOMES_ARTIFACT
-    return read_json(path) if path.is_file() else None
-
-
-def gate_tags(results: dict) -> dict[str, str]:
-    """`gate.<stage>`: accepted / rejected / skipped, for every GRPO stage."""
-    def verdict(m):
-        return "skipped" if m.get("skipped") else "accepted" if m.get("accepted") else "rejected"
-    return {f"gate.{name.split('@', 1)[1]}": verdict(m) for name, m in results.items() if name.startswith("grpo@")}
+from tasks.runs import (close_run, gate_tags, open_parent_run, promote_model, publish_summary, read_outcomes,
+                        record_results)
 
 
 @flow(name="retrain")
@@ -68,41 +51,49 @@ def retrain(workdir: str = ".") -> dict:
                     f"its results stand.\n\nMLflow run: {run_id}\nOpen it: {summary.run_link(uri, experiment, run_id)}")
             results = {"nothing_to_do": True, "previous_run": run_id}
         else:
-            results, text = run_pipeline(config, workdir, uri, logger)
-    create_markdown_artifact(text, key="retrain-summary", description="posttrain retrain summary")
-    print(text)
+            results, text = run_pipeline(config, workdir, uri)
+    publish_summary(text)
     return results
 
 
-def run_pipeline(config, workdir: str, uri: str, logger) -> tuple[dict, str]:
-    """The DVC stages under a parent run, then gates' verdicts, data push and promotion."""
-    exp = experiment_id(config, workdir)
-    stage_task = run_stage.with_options(retries=config.orchestration.retries,
-                                        retry_delay_seconds=config.orchestration.retry_delay_seconds)
-    with mlflow.start_run(experiment_id=exp, run_name=f"retrain-{time.strftime('%Y%m%d-%H%M%S')}") as parent:
-        mlflow.set_tags({**provenance(config, workdir), **crash.process_tags(), "posttrain.flow": "retrain"})
-        mlflow.log_text(yaml.safe_dump(config.model_dump(by_alias=True), sort_keys=False), "config.resolved.yaml")
-        mlflow.log_artifact(str(Path(workdir) / PARAMS_FILE), "params")  # as written: what replay restores
-        params = flatten_params(config.model_dump(by_alias=True))  # what `posttrain compare` diffs
-        mlflow.log_params({**params, "tracking.uri": summary.redact(params["tracking.uri"])})
-        results = {}
-        for stage in stage_order(workdir):
-            results[stage["name"]] = stage_task(stage, workdir, parent.info.run_id, uri)
-        gates = gate_tags(results)
-        mlflow.set_tags({**dvc_lock_hashes(workdir), **gates})
-        metrics = run_metrics(results)
-        mlflow.log_metrics(metrics)
-        mlflow.log_artifact(str(Path(workdir) / "dvc.lock"))
-        outcomes = read_outcomes(workdir)
-        if outcomes:  # what paired tests against this run read: promotion now, `posttrain compare` later
-            mlflow.log_artifact(str(Path(workdir) / OUTCOMES_ARTIFACT), str(Path(OUTCOMES_ARTIFACT).parent))
-        logger.info(push_data(workdir))
-        text = summary.render(results.get("evaluate", {}), results.get("serving", {}),
-                              config.serving.gpu, parent.info.run_id, uri, exp)
-        text += "\n\n" + summary.gates_line(gates, results)
+def run_pipeline(config, workdir: str, uri: str) -> tuple[dict, str]:
+    """The DVC stages under a parent run, then their record, the data push and promotion;
+    the parent run ends FAILED when any of it fails."""
+    run_id, experiment = open_parent_run(config, workdir, uri)
+    try:
+        stages = stage_order(workdir)
+        results = {stage["name"]: run_stage(config, stage, workdir, run_id, uri) for stage in stages}
+        metrics = record_results(run_id, workdir, uri, results)
+        get_run_logger().info(push_data(workdir))
+        text = summary.render(results.get("evaluate", {}), results.get("serving", {}), config.serving.gpu,
+                              run_id, uri, experiment)
+        text += "\n\n" + summary.gates_line(gate_tags(results), results)
         if config.promotion.enabled:
-            promotion = registry.promote(config, parent.info.run_id, final_model_dir(config, Path(workdir) / MODELS),
-                                         metrics, results.get("serving", {}), outcomes)
+            promotion = promote_model(config, run_id, uri, final_model(config, stages, workdir), metrics,
+                                      results.get("serving", {}), read_outcomes(workdir))
             text += (f"\nModel registry: {config.promotion.model_name} version {promotion.version} "
                      f"is the {promotion.reason}")
+    except BaseException:
+        close_run(run_id, uri, "FAILED")
+        raise
+    close_run(run_id, uri, "FINISHED")
     return results, text
+
+
+def run_stage(config, stage: dict, workdir: str, parent_run_id: str, uri: str) -> dict:
+    """One DVC stage under a child run: the run, `dvc repro` (retried), its record."""
+    run_id = start_stage_run(stage, parent_run_id, uri)
+    repro = repro_stage.with_options(retries=config.orchestration.retries,
+                                     retry_delay_seconds=config.orchestration.retry_delay_seconds)
+    try:
+        repro(stage, workdir, run_id, uri)
+    except BaseException:
+        record_stage(stage, workdir, run_id, uri, failed=True)
+        raise
+    return record_stage(stage, workdir, run_id, uri)
+
+
+def final_model(config, stages: list[dict], workdir: str) -> str:
+    """The pipeline's result: the model folder the last GRPO stage outputs, as dvc.yaml names it."""
+    last = f"grpo@{list(config.grpo)[-1]}"
+    return str(Path(workdir) / next(s["outs"][0] for s in stages if s["name"] == last))

@@ -270,7 +270,7 @@ def _undo(workdir: Path, written: list[Path]) -> None:
 
 def extra_rows(datasets_dir: str | Path) -> list[dict]:
     """The versioned batches' rows, oldest batch first (what prepare appends to train)."""
-    from posttrain.io import read_jsonl
+    from posttrain.files import read_jsonl
 
     datasets_dir = Path(datasets_dir)
     versioned = [datasets_dir / p.name[:-4] for p in sorted(datasets_dir.glob("*.jsonl.dvc"))]

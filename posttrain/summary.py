@@ -5,8 +5,6 @@ from __future__ import annotations
 from posttrain.redact import redact_uri
 from posttrain.stats import format_p
 
-redact = redact_uri  # the name flows/retrain.py imports it by
-
 
 def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
     """Where the run opens in the MLflow UI (credentials in the URI are left out)."""

@@ -116,7 +116,7 @@ def config_md5(workspace: str | Path = ".") -> str:
     """The md5 of the workspace's params file, as written (comments and all); '' without one."""
     import hashlib
 
-    from posttrain.io import PARAMS_FILE
+    from posttrain.layout import PARAMS_FILE
 
     path = Path(workspace) / PARAMS_FILE
     return hashlib.md5(path.read_bytes()).hexdigest() if path.is_file() else ""
@@ -144,3 +144,42 @@ def run_outcomes(run_id: str) -> dict | None:
         return mlflow.artifacts.load_dict(f"runs:/{run_id}/{OUTCOMES_ARTIFACT}")
     except (MlflowException, OSError):
         return None
+
+
+# --- metric and param names ----------------------------------------------------------
+def flatten(metrics: dict, prefix: str = "") -> dict[str, float]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1.0}`: nested metrics as MLflow metric names. An
+    interval `[low, high]` becomes `name.low` and `name.high`; other lists are left out."""
+    flat = {}
+    for key, value in metrics.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        elif isinstance(value, list) and len(value) == 2 and all(_is_number(v) for v in value):
+            flat[f"{name}.low"], flat[f"{name}.high"] = float(value[0]), float(value[1])
+        elif _is_number(value):
+            flat[name] = float(value)
+    return flat
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def run_metrics(results: dict[str, dict]) -> dict[str, float]:
+    """Stage name -> its metrics files' content, as the parent run's metric names
+    (`grpo@dense` -> `grpo.dense.*`: MLflow names allow no '@')."""
+    return flatten({name.replace("@", "."): metrics for name, metrics in results.items()})
+
+
+def flatten_params(config: dict, prefix: str = "") -> dict[str, str]:
+    """`{"grpo": {"dense": {"trl": {"learning_rate": 1e-4}}}}` -> `{"grpo.dense.trl.learning_rate": "0.0001"}`:
+    every leaf of a config as an MLflow param (what `posttrain compare` diffs)."""
+    flat = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten_params(value, f"{name}."))
+        else:
+            flat[name] = str(value)
+    return flat

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from posttrain.evaluation import evaluate_model, outcomes
-from posttrain.io import read_json, read_jsonl, write_json
+from posttrain.files import read_json, read_jsonl, write_json
 
 CARD = "posttrain_card.json"
 

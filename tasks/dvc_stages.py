@@ -13,17 +13,18 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from posttrain import lifetime
+from posttrain.files import read_json
+from posttrain.tracking import flatten, stage_outputs
 from posttrain.workspace import stage_env, tool_path
-from posttrain.io import flatten, read_json
-from posttrain.tracking import stage_outputs
 
 # DVC is the cache; Prefect must never skip a stage on its own.
 TASK_DEFAULTS = {"cache_policy": NONE}
 
 
 def stages(workdir: str | Path) -> list[dict]:
-    """The pipeline's stages in the order `dvc repro` runs them: `{"name", "metrics"}`,
-    the name as `dvc repro` takes it inside `workdir`, the metrics files relative to it.
+    """The pipeline's stages in the order `dvc repro` runs them: `{"name", "metrics", "outs"}`,
+    the name as `dvc repro` takes it inside `workdir`, its metrics files and other
+    outputs relative to it.
     `.dvc` files (versioned data in datasets/) have no command and are left out."""
     import networkx as nx
     from dvc.repo import Repo
@@ -32,7 +33,8 @@ def stages(workdir: str | Path) -> list[dict]:
         # DVC's graph points from a stage to the stages it depends on: a post-order walk
         # visits every dependency first, as `dvc repro` does (networkx, not DVC's planner)
         planned = nx.dfs_postorder_nodes(repo.index.graph)
-        return [{"name": address(s, repo.root_dir), "metrics": [o.def_path for o in s.outs if o.metric]}
+        return [{"name": address(s, repo.root_dir), "metrics": [o.def_path for o in s.outs if o.metric],
+                 "outs": [o.def_path for o in s.outs if not (o.metric or o.plot)]}
                 for s in planned if getattr(s, "cmd", None)]
 
 
@@ -78,32 +80,50 @@ def run_logged(cmd: list[str], *, cwd: str, env: dict, log_path: Path) -> tuple[
     return proc.returncode, "\n".join(tail)
 
 
-@task(name="run_stage", **TASK_DEFAULTS)
-def run_stage(stage: dict, workdir: str, parent_run_id: str, tracking_uri: str) -> dict:
-    """`dvc repro --single-item STAGE` under an MLflow child run of `parent_run_id`.
-
-    DVC decides whether the stage is up to date. A skipped stage still gets its child
-    run, tagged `posttrain.cached`, carrying the metrics DVC had recorded.
-    """
+@task(name="start_stage_run", **TASK_DEFAULTS)
+def start_stage_run(stage: dict, parent_run_id: str, tracking_uri: str) -> str:
+    """A child run of `parent_run_id` for the stage; returns its id (the stage process
+    logs into it through MLFLOW_RUN_ID)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
     parent = client.get_run(parent_run_id)
-    child = client.create_run(parent.info.experiment_id, run_name=stage["name"],
-                              tags={"mlflow.parentRunId": parent_run_id, "posttrain.stage": stage["name"]})
-    run_id = child.info.run_id
+    return client.create_run(parent.info.experiment_id, run_name=stage["name"],
+                             tags={"mlflow.parentRunId": parent_run_id, "posttrain.stage": stage["name"]}).info.run_id
+
+
+@task(name="repro_stage", **TASK_DEFAULTS)
+def repro_stage(stage: dict, workdir: str, run_id: str, tracking_uri: str) -> None:
+    """`dvc repro --single-item STAGE`, its output in logs/<stage>.log as it goes. DVC
+    decides whether the stage is up to date. Retried by the flow (orchestration.retries)."""
     # unbuffered: the stage's lines reach its log as they are printed
     env = stage_env(workdir, MLFLOW_RUN_ID=run_id, MLFLOW_TRACKING_URI=tracking_uri, PYTHONUNBUFFERED="1")
-    log_path = Path(workdir) / "logs" / f"{stage['name']}.log"
     code, tail = run_logged([tool_path("dvc"), "repro", "--single-item", stage["name"]], cwd=workdir, env=env,
-                            log_path=log_path)
-    client.log_artifact(run_id, str(log_path), "logs")
+                            log_path=stage_log(workdir, stage))
+    if code != 0:
+        raise RuntimeError(f"stage {stage['name']!r} failed (dvc exit {code}); last lines:\n{tail}")
+
+
+def stage_log(workdir: str, stage: dict) -> Path:
+    return Path(workdir) / "logs" / f"{stage['name']}.log"
+
+
+@task(name="record_stage", **TASK_DEFAULTS)
+def record_stage(stage: dict, workdir: str, run_id: str, tracking_uri: str, *, failed: bool = False) -> dict:
+    """The stage's log and DVC outputs on its child run, and its metrics (returned). A
+    stage DVC skipped as up to date gets the metrics DVC had recorded, tagged
+    `posttrain.cached`; a failed one ends FAILED."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    if stage_log(workdir, stage).is_file():
+        client.log_artifact(run_id, str(stage_log(workdir, stage)), "logs")
     outputs = stage_outputs(workdir, stage["name"])
     if outputs:
         client.log_text(run_id, json.dumps(outputs, indent=2), "dvc_outputs.json")
-    if code != 0:
+    if failed:
         client.set_terminated(run_id, "FAILED")
-        raise RuntimeError(f"stage {stage['name']!r} failed (dvc exit {code}); last lines:\n{tail}")
+        return {}
     metrics = stage_metrics(workdir, stage)
     if client.get_run(run_id).data.tags.get("posttrain.executed") != "true":
         client.set_tag(run_id, "posttrain.cached", "true")

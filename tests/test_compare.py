@@ -87,7 +87,7 @@ def test_needs_two_runs(store):
 def run_with_outcomes(greedy: list[int], correct: list[int], n: int = 16) -> str:
     """A parent run as the flow leaves it: evaluate figures, their intervals, and the
     per-prompt outcomes artifact the paired tests read."""
-    from posttrain.io import flatten
+    from posttrain.tracking import flatten
     from posttrain.stats import intervals
     from posttrain.tracking import OUTCOMES_ARTIFACT
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import SMALL, make_workspace
 from hardening import assert_nothing_left, assert_refused, cli, state
 from flows.lock import lock
-from posttrain.io import PARAMS_FILE
+from posttrain.layout import PARAMS_FILE
 from posttrain.config import load_config
 
 GOOD = json.dumps({"prompt": "12+3=", "answer": "15"}) + "\n"

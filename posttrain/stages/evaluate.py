@@ -17,9 +17,10 @@ import mlflow
 
 from posttrain.envs import get_env
 from posttrain.evaluation import outcomes, resolve_backend, sample_models, score
-from posttrain.io import flatten, model_dirs, read_jsonl, write_json
+from posttrain.files import read_jsonl, write_json
+from posttrain.layout import model_dirs
 from posttrain.rewards import REWARDS
-from posttrain.tracking import stage_run
+from posttrain.tracking import flatten, stage_run
 
 
 def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_path: str,

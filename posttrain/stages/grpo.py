@@ -17,10 +17,10 @@ from posttrain import checkpoints
 from posttrain.config import build_trl_config, grpo_trl_options
 from posttrain.envs import get_env
 from posttrain.evaluation import pass_rates
+from posttrain.files import read_jsonl, write_json
 from posttrain.gate import decide, reward_trend
-from posttrain.io import flatten, read_jsonl, write_json
 from posttrain.rewards import build_rewards
-from posttrain.tracking import stage_run
+from posttrain.tracking import flatten, stage_run
 from posttrain.training import gate_evaluation, gate_figures, read_card, train, write_card
 
 ZERO_STD_WARNING = 0.5

@@ -12,8 +12,9 @@ from pathlib import Path
 import mlflow
 
 from posttrain.envs import get_env
+from posttrain.files import write_json, write_jsonl
 from posttrain.ingest import extra_rows
-from posttrain.io import BASE_POINTER, write_json, write_jsonl
+from posttrain.layout import BASE_POINTER
 from posttrain.tiny_model import save_tiny_model
 from posttrain.tracking import log_json_artifact, stage_run
 

@@ -14,9 +14,10 @@ import mlflow
 
 from posttrain import kv
 from posttrain.errors import GateFailure, PredictionMismatch
-from posttrain.io import final_model_dir, read_json, read_jsonl, resolve_model_dir, write_json
-from posttrain.profiles import load_gpu_profile
+from posttrain.files import read_json, read_jsonl, write_json
 from posttrain.kv import capacity, concurrency_by_context, kv_spec, load_config_json, paging
+from posttrain.layout import final_model_dir, resolve_model_dir
+from posttrain.profiles import load_gpu_profile
 from posttrain.tracking import log_json_artifact, stage_run
 
 

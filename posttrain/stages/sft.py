@@ -20,9 +20,10 @@ from posttrain import checkpoints
 from posttrain.config import build_trl_config
 from posttrain.envs import get_env
 from posttrain.evaluation import check_format_contract
-from posttrain.io import flatten, read_jsonl, resolve_model_dir, write_json
+from posttrain.files import read_jsonl, write_json
+from posttrain.layout import resolve_model_dir
 from posttrain.stopping import StopOnTarget, carve_validation, validation_curve
-from posttrain.tracking import stage_run
+from posttrain.tracking import flatten, stage_run
 from posttrain.training import gate_evaluation, gate_figures, train, write_card
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from posttrain.registry import decide
+from posttrain.promotion import decide
 
 
 @pytest.mark.parametrize("value,champion,higher,serving_ok,alias,needle", [

@@ -65,15 +65,14 @@ def significance(config, outcomes: dict | None, champion_run_id: str) -> tuple[s
 
 
 def promote(config, run_id: str, model_dir: str, metrics: dict[str, float], serving: dict,
-            outcomes: dict | None = None) -> Promotion:
-    """Log, register and alias the final model; call inside the parent run.
+            outcomes: dict | None = None, *, tracking_uri: str) -> Promotion:
+    """Log the final model to the parent run `run_id`, register it and alias it.
     outcomes: this run's per-prompt held-out outcomes (model -> outcomes)."""
-    import mlflow
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
     settings = config.promotion
-    client = MlflowClient()
+    client = MlflowClient(tracking_uri)
     if settings.metric not in metrics:
         raise KeyError(f"promotion.metric {settings.metric!r} is not a metric of this run")
     champion, test, untested = None, None, None
@@ -89,15 +88,17 @@ def promote(config, run_id: str, model_dir: str, metrics: dict[str, float], serv
     alias, reason = decide(settings.metric, metrics[settings.metric], champion,
                            higher_is_better=settings.higher_is_better, serving_ok=serving_ok, test=test,
                            alpha=config.stats.alpha, untested=untested)
-    mlflow.log_artifacts(model_dir, "model")
+    client.log_artifacts(run_id, model_dir, "model")
     try:
         client.create_registered_model(settings.model_name)
     except MlflowException:
         pass  # it exists
     # the model folder as logged (MLflow 3's register_model wants a LoggedModel flavour; this is a plain HF folder)
-    version = client.create_model_version(settings.model_name, mlflow.get_artifact_uri("model"), run_id=run_id).version
+    source = f"{client.get_run(run_id).info.artifact_uri}/model"
+    version = client.create_model_version(settings.model_name, source, run_id=run_id).version
     client.set_registered_model_alias(settings.model_name, alias, version)
     client.set_model_version_tag(settings.model_name, version, "posttrain.promotion", reason)
-    mlflow.set_tags({"posttrain.promotion": alias, "posttrain.promotion_reason": reason,
-                     "posttrain.model_version": str(version)})
+    for key, value in {"posttrain.promotion": alias, "posttrain.promotion_reason": reason,
+                       "posttrain.model_version": str(version)}.items():
+        client.set_tag(run_id, key, value)
     return Promotion(alias, str(version), reason)

@@ -1,0 +1,32 @@
+"""Where things are in a workspace: its config file and its model folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from posttrain.files import read_json
+
+BASE_POINTER = "posttrain_base.json"
+# A workspace's config: dvc.yaml reads its params from this file.
+PARAMS_FILE = "configs/pipeline.yaml"
+
+
+def resolve_model_dir(model_dir: str | Path) -> str:
+    """The folder holding weights: `model_dir` itself, or where its base pointer leads.
+
+    A real model named by `model.path` is not copied into the workspace; the prepare
+    stage writes a pointer file instead.
+    """
+    pointer = Path(model_dir) / BASE_POINTER
+    return read_json(pointer)["path"] if pointer.is_file() else str(model_dir)
+
+
+def model_dirs(config, models_dir: str) -> dict[str, str]:
+    """Report name -> model folder: base, sft, then each GRPO stage in order."""
+    dirs = {"base": resolve_model_dir(Path(models_dir) / "base"), "sft": str(Path(models_dir) / "sft")}
+    return dirs | {f"grpo.{name}": str(Path(models_dir) / name) for name in config.grpo}
+
+
+def final_model_dir(config, models_dir: str) -> str:
+    """The pipeline's result: what the last GRPO stage output (trained, or carried through)."""
+    return str(Path(models_dir) / list(config.grpo)[-1])

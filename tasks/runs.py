@@ -1,0 +1,103 @@
+"""Tasks that write the retrain run's MLflow records: open the parent run with what it
+ran, record the results, promote the model, close the run; and publish the summary."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import yaml
+from prefect import task
+
+from posttrain import crash
+from posttrain.files import read_json
+from posttrain.layout import PARAMS_FILE
+from posttrain.redact import redact_uri
+from posttrain.tracking import flatten_params, run_metrics, OUTCOMES_ARTIFACT, dvc_lock_hashes, experiment_id, provenance
+from tasks.dvc_stages import TASK_DEFAULTS
+
+MLFLOW_BATCH = 100  # params or metrics per log_batch request (MLflow's limit)
+
+
+def client(uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(uri)
+
+
+@task(name="open_parent_run", **TASK_DEFAULTS)
+def open_parent_run(config, workdir: str, uri: str) -> tuple[str, str]:
+    """A new retrain (parent) run carrying what it runs: provenance tags, the config as
+    resolved and as written (what replay restores), and every config leaf as a param
+    (what `posttrain compare` diffs). Returns (run id, experiment id)."""
+    from mlflow.entities import Param
+
+    mlflow = client(uri)
+    tags = {**provenance(config, workdir), **crash.process_tags(), "posttrain.flow": "retrain"}
+    experiment = experiment_id(config, workdir)
+    run_id = mlflow.create_run(experiment, run_name=f"retrain-{time.strftime('%Y%m%d-%H%M%S')}", tags=tags).info.run_id
+    mlflow.log_text(run_id, yaml.safe_dump(config.model_dump(by_alias=True), sort_keys=False), "config.resolved.yaml")
+    mlflow.log_artifact(run_id, str(Path(workdir) / PARAMS_FILE), "params")
+    params = flatten_params(config.model_dump(by_alias=True))
+    params["tracking.uri"] = redact_uri(params["tracking.uri"])
+    items = [Param(k, v) for k, v in params.items()]
+    for start in range(0, len(items), MLFLOW_BATCH):
+        mlflow.log_batch(run_id, params=items[start:start + MLFLOW_BATCH])
+    return run_id, experiment
+
+
+def gate_tags(results: dict) -> dict[str, str]:
+    """`gate.<stage>`: accepted / rejected / skipped, for every GRPO stage."""
+    def verdict(m):
+        return "skipped" if m.get("skipped") else "accepted" if m.get("accepted") else "rejected"
+    return {f"gate.{name.split('@', 1)[1]}": verdict(m) for name, m in results.items() if name.startswith("grpo@")}
+
+
+def read_outcomes(workdir: str) -> dict | None:
+    """The evaluate stage's per-prompt outcomes (dvc.yaml's `reports/heldout_outcomes.json`)."""
+    path = Path(workdir) / OUTCOMES_ARTIFACT
+    return read_json(path) if path.is_file() else None
+
+
+@task(name="record_results", **TASK_DEFAULTS)
+def record_results(run_id: str, workdir: str, uri: str, results: dict) -> dict[str, float]:
+    """The stages' results on the parent run: every metric, the gates' verdicts and
+    dvc.lock's hashes as tags, dvc.lock itself, and the per-prompt outcomes that paired
+    tests against this run read (promotion now, `posttrain compare` later)."""
+    from mlflow.entities import Metric
+
+    mlflow = client(uri)
+    for key, value in {**dvc_lock_hashes(workdir), **gate_tags(results)}.items():
+        mlflow.set_tag(run_id, key, value)
+    metrics = run_metrics(results)
+    now = int(time.time() * 1000)
+    items = [Metric(k, v, now, 0) for k, v in metrics.items()]
+    for start in range(0, len(items), MLFLOW_BATCH):
+        mlflow.log_batch(run_id, metrics=items[start:start + MLFLOW_BATCH])
+    mlflow.log_artifact(run_id, str(Path(workdir) / "dvc.lock"))
+    if (Path(workdir) / OUTCOMES_ARTIFACT).is_file():
+        mlflow.log_artifact(run_id, str(Path(workdir) / OUTCOMES_ARTIFACT), str(Path(OUTCOMES_ARTIFACT).parent))
+    return metrics
+
+
+@task(name="promote_model", **TASK_DEFAULTS)
+def promote_model(config, run_id: str, uri: str, model_dir: str, metrics: dict, serving: dict, outcomes):
+    """Register the final model as champion or challenger (posttrain.promotion)."""
+    from posttrain.promotion import promote
+
+    return promote(config, run_id, model_dir, metrics, serving, outcomes, tracking_uri=uri)
+
+
+@task(name="close_run", **TASK_DEFAULTS)
+def close_run(run_id: str, uri: str, status: str) -> None:
+    """End the parent run: FINISHED, or FAILED when a stage or task failed."""
+    client(uri).set_terminated(run_id, status)
+
+
+@task(name="publish_summary", **TASK_DEFAULTS)
+def publish_summary(text: str) -> None:
+    """The run's summary as the Prefect markdown artifact `retrain-summary`, and on stdout."""
+    from prefect.artifacts import create_markdown_artifact
+
+    create_markdown_artifact(text, key="retrain-summary", description="posttrain retrain summary")
+    print(text)
