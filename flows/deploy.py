@@ -1,6 +1,6 @@
 """Scheduled retraining: the `retrain` flow as a Prefect deployment on a cron schedule.
 
-    posttrain serve --workdir . --cron "0 3 * * *"       # or: python -m flows.deploy
+    posttrain serve --workdir . --cron "0 3 * * *"
 
 registers the deployment `retrain/nightly` with the Prefect API (`PREFECT_API_URL`: a
 `prefect server start` or Prefect Cloud) and serves it: this process polls for
@@ -42,11 +42,3 @@ def nightly(workdir: str = ".", cron: str = CRON, timezone: str = "UTC", name: s
 def serve_nightly(deployment) -> None:
     """Register `deployment` (see `nightly`) and run its runs here until stopped (Ctrl-C)."""
     serve(deployment, limit=1)
-
-
-if __name__ == "__main__":
-    import sys
-
-    from flows.cli import main
-
-    sys.exit(main(["serve", *sys.argv[1:]]))

@@ -40,7 +40,7 @@ class OptionError(ValueError):
 
 def invalid(problem: str, fix: str):
     """A pydantic error that carries its fix: raised in a schema validator, the config
-    check prints it as `file: field: problem; fix: fix` (posttrain.config.schema_error)."""
+    check prints it as `file: field: problem; fix: fix` (posttrain.yamlfile.schema_error)."""
     from pydantic_core import PydanticCustomError
 
     return PydanticCustomError("posttrain", "{problem}", {"problem": problem, "fix": fix})

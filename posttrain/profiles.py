@@ -29,7 +29,7 @@ def profiles_path(folder: str | Path) -> Path:
 def load_profiles(path: str | Path) -> dict[str, dict]:
     """Name -> profile (as plain dicts) from `path`; `UserError` when it is not a
     mapping of names to `{memory_gib, reserve_gib}`."""
-    from posttrain.config import read_yaml, schema_error
+    from posttrain.yamlfile import read_yaml, schema_error
 
     try:
         profiles = TypeAdapter(dict[str, GPUProfile]).validate_python(read_yaml(Path(path)) or {})
