@@ -1,20 +1,9 @@
-"""The end-of-run summary: models' accuracy and pass@k, serving figures, MLflow link."""
+"""The end-of-run summary: models' accuracy and pass@k with intervals, serving figures, the gates."""
 
 from __future__ import annotations
 
-from posttrain.redact import redact_uri
 from posttrain.stats import format_p
-
-
-def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    """Where the run opens in the MLflow UI (credentials in the URI are left out)."""
-    from urllib.parse import urlsplit
-
-    path = f"#/experiments/{experiment_id}/runs/{run_id}"
-    parts = urlsplit(tracking_uri)
-    if parts.scheme in ("http", "https"):
-        return f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path.rstrip('/')}/{path}"
-    return f"http://127.0.0.1:5000/{path} (after `mlflow ui --backend-store-uri {redact_uri(tracking_uri)}`)"
+from posttrain.tracking import run_link
 
 
 def figure(value: float, ci: list[float] | None) -> str:

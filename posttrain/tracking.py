@@ -15,6 +15,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from posttrain.redact import redact_uri
+
 # The evaluate stage's per-prompt held-out outcomes (dvc.yaml), logged to each parent run
 # at this path: what paired tests against another run read (promotion, `posttrain compare`).
 OUTCOMES_ARTIFACT = "reports/heldout_outcomes.json"
@@ -183,3 +185,14 @@ def flatten_params(config: dict, prefix: str = "") -> dict[str, str]:
         else:
             flat[name] = str(value)
     return flat
+
+
+def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """Where the run opens in the MLflow UI (credentials in the URI are left out)."""
+    from urllib.parse import urlsplit
+
+    path = f"#/experiments/{experiment_id}/runs/{run_id}"
+    parts = urlsplit(tracking_uri)
+    if parts.scheme in ("http", "https"):
+        return f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path.rstrip('/')}/{path}"
+    return f"http://127.0.0.1:5000/{path} (after `mlflow ui --backend-store-uri {redact_uri(tracking_uri)}`)"

@@ -5,7 +5,6 @@ checkpoint. Which RUNNING runs count as dead: a table on a local store."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import signal
@@ -16,9 +15,10 @@ from contextlib import suppress
 
 import psutil
 import pytest
+import yaml
 from mlflow import MlflowClient
 
-from conftest import BIN, CHILD_ENV_DROP, SMALL, make_workspace, sh
+from conftest import BIN, CHILD_ENV_DROP, copy_workspace, sh
 from posttrain.crash import CRASH_TAG, HOST_TAG, PID_TAG, mark_dead_runs
 
 
@@ -58,10 +58,13 @@ def runs(ws) -> dict:
 
 
 @pytest.mark.slow
-def test_kill_9_mid_grpo_leaves_nothing_behind(tmp_path):
-    config = copy.deepcopy(SMALL)
+def test_kill_9_mid_grpo_leaves_nothing_behind(flow_runs, tmp_path):
+    # a copy of the flow tests' workspace, GRPO made longer: prepare and sft stay cached
+    ws = copy_workspace(flow_runs[0], tmp_path / "ws")
+    params = ws / "configs" / "pipeline.yaml"
+    config = yaml.safe_load(params.read_text())
     config["grpo"]["dense"]["trl"].update(max_steps=16, save_steps=2)  # killed after step 2, long before 16
-    ws = make_workspace(tmp_path / "ws", config)
+    params.write_text(yaml.safe_dump(config, sort_keys=False))
     with open(tmp_path / "killed.out", "w") as out:
         pid, survivors = kill_mid_grpo(ws, out)
     assert survivors == {}

@@ -2,11 +2,12 @@
 (the `flow_runs` fixture, in conftest.py, runs it three times)."""
 
 import re
+from pathlib import Path
 
 import mlflow
 import pytest
 
-from conftest import copy_workspace, sh
+from conftest import SECRETS, copy_workspace, sh
 
 pytestmark = pytest.mark.slow
 
@@ -129,3 +130,16 @@ def test_dvc_experiment_sweep_and_metrics_diff(flow_runs, tmp_path):
     assert re.search(r"\| metrics/serving\.json\s+\| max_concurrency", diff)
     assert "metrics/sft.json" not in diff and "metrics/evaluate.json" not in diff   # only serving reran
     assert "0.5" in sh("dvc", "exp", "show", "--md", "--no-pager", cwd=ws).stdout
+
+
+def test_exported_secrets_reach_no_file(flow_runs):
+    """The first run had credentials in its environment: none is in any file of the
+    workspace (MLflow store and artifacts, logs, git objects, DVC cache) or Prefect's database."""
+    from prefect.settings import PREFECT_HOME
+
+    ws = flow_runs[0]
+    files = [p for p in ws.rglob("*") if p.is_file()] + list(Path(PREFECT_HOME.value()).glob("*.db*"))
+    for path in files:
+        data = path.read_bytes()
+        leaked = [name for name, value in SECRETS.items() if value.encode() in data]
+        assert not leaked, f"{leaked} in {path}"

@@ -282,16 +282,23 @@ def test_a_changed_module_reruns_the_stages_that_run_it(flow_runs, tmp_path):
         unseen = [p for p in via if p.endswith(".py") and not covered(p, sorted(changed.get(name, ())))]
         assert not unseen, f"dvc status misses changes to {unseen} in stage {name}"
 
-    # the evaluator changed: DVC and the flow rerun sft, grpo and evaluate, not prepare
+    # the evaluator changed: DVC finds sft, grpo and evaluate stale, not prepare or serving
     evaluation = ws / PACKAGE / "evaluation.py"
-    evaluation.write_text(evaluation.read_text() + "# a changed evaluator\n")
+    original = evaluation.read_text()
+    evaluation.write_text(original + "# a changed evaluator\n")
     assert set(dvc_changed(ws)) == {"sft", "grpo@dense", "evaluate"}
+    evaluation.write_text(original)
+    assert dvc_changed(ws) == {}
+
+    # the KV arithmetic changed: DVC finds serving stale, and the flow reruns it alone
+    kv = ws / PACKAGE / "kv.py"
+    kv.write_text(kv.read_text() + "# a changed KV estimator\n")
+    assert set(dvc_changed(ws)) == {"serving"}
     sh("posttrain", "run", "--workdir", ws, cwd=ws)
     mlflow.set_tracking_uri(f"sqlite:///{ws / 'mlflow.db'}")
     runs = mlflow.search_runs(search_all_experiments=True, order_by=["start_time DESC"])
     last = runs[runs["tags.posttrain.flow"] == "retrain"].iloc[0].run_id       # the rerun's parent run
     children = runs[runs["tags.mlflow.parentRunId"] == last].set_index("tags.mlflow.runName")
     cached = {stage: tag == "true" for stage, tag in children["tags.posttrain.cached"].items()}
-    assert {k: cached[k] for k in ("prepare", "sft", "grpo@dense", "evaluate")} == {
-        "prepare": True, "sft": False, "grpo@dense": False, "evaluate": False}
+    assert cached == {"prepare": True, "sft": True, "grpo@dense": True, "serving": False, "evaluate": True}
     assert dvc_changed(ws) == {}
