@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import BIN, CHILD_ENV_DROP, SMALL, make_workspace, sh
+from conftest import BIN, CHILD_ENV_DROP, SMALL, copy_workspace, make_workspace, sh
 
 pytestmark = pytest.mark.slow
 
@@ -131,11 +131,11 @@ def test_gate_rejects_a_harmful_stage_and_keeps_the_previous_model(learned_works
 def test_killed_stage_resumes_from_its_checkpoint(tmp_path):
     overrides = {**LEARNED, "sft": {**LEARNED["sft"], "trl": {**LEARNED["sft"]["trl"], "num_train_epochs": 30}},
                  "grpo": {"dense": {"from": "sft", "pass_rate_filter": {"enabled": False},
-                                    "trl": {"max_steps": 120, "save_steps": 10, "logging_steps": 10,
+                                    "trl": {"max_steps": 60, "save_steps": 10, "logging_steps": 10,
                                             "per_device_train_batch_size": 8, "num_generations": 4}}}}
-    killed, whole = (make_workspace(tmp_path / name, overrides) for name in ("killed", "whole"))
-    for ws in (killed, whole):
-        run_repro(ws, "sft")
+    killed = make_workspace(tmp_path / "killed", overrides)
+    run_repro(killed, "sft")
+    whole = copy_workspace(killed, tmp_path / "whole")   # the same SFT model: one warmup, not two
     env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROP}
     env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
     proc = subprocess.Popen(["dvc", "repro", "grpo@dense"], cwd=killed, env=env, start_new_session=True,
@@ -151,7 +151,7 @@ def test_killed_stage_resumes_from_its_checkpoint(tmp_path):
     assert "posttrain: resuming from" in done.stdout
     run_repro(whole, "grpo@dense")
     resumed, reference = (json.loads((ws / "metrics" / "grpo" / "dense.json").read_text()) for ws in (killed, whole))
-    assert resumed["resumed_from_step"] >= 20 and resumed["steps"] == reference["steps"] == 120
+    assert resumed["resumed_from_step"] >= 20 and resumed["steps"] == reference["steps"] == 60
     assert reference["resumed_from_step"] == 0
     # the same run, interrupted or not: the same held-out result within sampling noise
     assert abs(resumed["candidate_greedy_accuracy"] - reference["candidate_greedy_accuracy"]) <= 0.1
