@@ -82,13 +82,20 @@ def _ok(url: str) -> bool:
         return False
 
 
-def api(base: str, path: str, body: dict | None = None, method: str | None = None):
-    """JSON over HTTP to a server's REST API."""
+def api(base: str, path: str, body: dict | None = None, method: str | None = None, attempts: int = 5):
+    """JSON over HTTP to a server's REST API. A 503 is retried, as Prefect's own client
+    does: a Prefect server on SQLite answers it while another writer holds the database."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(f"{base}{path}", data=data, method=method or ("POST" if data else "GET"),
                                      headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read() or b"null")
+    for attempt in range(attempts):
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as err:
+            if err.code != 503 or attempt == attempts - 1:
+                raise
+            time.sleep(2 ** attempt)
 
 
 @contextlib.contextmanager
