@@ -102,9 +102,9 @@ def dispatch(args) -> int:
 def run_stage(args) -> None:
     """`posttrain stage NAME --config FILE --flag value ...`: the flags checked against the
     stage's `main` before the config is loaded, then the stage run and its metrics printed."""
-    from posttrain.lifetime import die_with_dvc
+    from posttrain.lifetime import die_with_run
 
-    die_with_dvc()  # under the flow's `dvc repro`: the stage ends with it (kill -9 of the run included)
+    die_with_run()  # under the flow's `dvc repro`: the stage ends with the flow (kill -9 of the run included)
     import importlib
     import inspect
 

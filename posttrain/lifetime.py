@@ -9,10 +9,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import select
 import signal
 import sys
+import threading
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+RUN_PID_ENV = "POSTTRAIN_RUN_PID"  # set by the flow for the stages it runs: the process they end with
 # looked up here, not in a forked child (where the loader's lock may be held by a thread that is not there)
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
@@ -28,13 +31,52 @@ def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> Non
         os.kill(os.getpid(), sig)
 
 
-def die_with_dvc() -> None:
+def ancestors() -> list[int]:
+    """The pids above this process, parent first (Linux: read from /proc)."""
+    found, pid = [], os.getppid()
+    while pid > 1:
+        found.append(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as stat:  # "pid (comm) state ppid ...": comm may hold spaces
+                pid = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return found
+
+
+def die_with_ancestor(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Have this process end with `sig` when process `pid`, one of its ancestors however
+    far up, ends: a thread waits on the process's pidfd (Linux >= 5.3; nothing elsewhere).
+    The parent-death signal only follows the parent, and a shell may stand between
+    (DVC runs a stage's command with `$SHELL -c`; dash does not exec it). `pid` no
+    longer above this process: it has ended already, and `sig` comes now."""
+    if not hasattr(os, "pidfd_open") or not sys.platform.startswith("linux"):
+        return
+    try:
+        fd = os.pidfd_open(pid)  # close-on-exec: nothing this process starts holds it
+    except ProcessLookupError:
+        fd = None
+    if fd is None or pid not in ancestors():  # checked after opening: the pidfd is that ancestor's
+        os.kill(os.getpid(), sig)
+        return
+
+    def wait():
+        select.select([fd], [], [])  # readable once the process has ended
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=wait, name="posttrain-die-with-run", daemon=True).start()
+
+
+def die_with_run() -> None:
     """A stage command run by `dvc repro` (DVC sets DVC_STAGE) ends when that dvc process
-    ends, which ends with the flow that runs it: a killed run leaves no stage training on
-    (the stage's lines would otherwise go to a closed pipe for as long as it runs).
+    ends, and when the flow that runs it ends (it names itself in POSTTRAIN_RUN_PID):
+    a killed run leaves no stage training on (its lines would otherwise go to a closed
+    pipe until it next prints, and it would end its MLflow run itself, or not at all).
     Run by hand, it is left alone (nohup keeps working)."""
     if os.environ.get("DVC_STAGE"):
         die_with_parent()
+        if os.environ.get(RUN_PID_ENV, "").isdigit():
+            die_with_ancestor(int(os.environ[RUN_PID_ENV]))
 
 
 def die_with_this_thread(sig: int = signal.SIGKILL):

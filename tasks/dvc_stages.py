@@ -97,7 +97,9 @@ def repro_stage(stage: dict, workdir: str, run_id: str, tracking_uri: str) -> No
     """`dvc repro --single-item STAGE`, its output in logs/<stage>.log as it goes. DVC
     decides whether the stage is up to date. Retried by the flow (orchestration.retries)."""
     # unbuffered: the stage's lines reach its log as they are printed
-    env = stage_env(workdir, MLFLOW_RUN_ID=run_id, MLFLOW_TRACKING_URI=tracking_uri, PYTHONUNBUFFERED="1")
+    # the stage ends with this process, however it ends (lifetime.die_with_run)
+    env = stage_env(workdir, MLFLOW_RUN_ID=run_id, MLFLOW_TRACKING_URI=tracking_uri, PYTHONUNBUFFERED="1",
+                    **{lifetime.RUN_PID_ENV: str(os.getpid())})
     code, tail = run_logged([tool_path("dvc"), "repro", "--single-item", stage["name"]], cwd=workdir, env=env,
                             log_path=stage_log(workdir, stage))
     if code != 0:

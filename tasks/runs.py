@@ -16,8 +16,6 @@ from posttrain.redact import redact_uri
 from posttrain.tracking import flatten_params, run_metrics, OUTCOMES_ARTIFACT, dvc_lock_hashes, experiment_id, provenance
 from tasks.dvc_stages import TASK_DEFAULTS
 
-MLFLOW_BATCH = 100  # params or metrics per log_batch request (MLflow's limit)
-
 
 def client(uri: str):
     from mlflow import MlflowClient
@@ -41,8 +39,7 @@ def open_parent_run(config, workdir: str, uri: str) -> tuple[str, str]:
     params = flatten_params(config.model_dump(by_alias=True))
     params["tracking.uri"] = redact_uri(params["tracking.uri"])
     items = [Param(k, v) for k, v in params.items()]
-    for start in range(0, len(items), MLFLOW_BATCH):
-        mlflow.log_batch(run_id, params=items[start:start + MLFLOW_BATCH])
+    mlflow.log_batch(run_id, params=items)  # the client splits it into requests within MLflow's limits
     return run_id, experiment
 
 
@@ -72,8 +69,7 @@ def record_results(run_id: str, workdir: str, uri: str, results: dict) -> dict[s
     metrics = run_metrics(results)
     now = int(time.time() * 1000)
     items = [Metric(k, v, now, 0) for k, v in metrics.items()]
-    for start in range(0, len(items), MLFLOW_BATCH):
-        mlflow.log_batch(run_id, metrics=items[start:start + MLFLOW_BATCH])
+    mlflow.log_batch(run_id, metrics=items)
     mlflow.log_artifact(run_id, str(Path(workdir) / "dvc.lock"))
     if (Path(workdir) / OUTCOMES_ARTIFACT).is_file():
         mlflow.log_artifact(run_id, str(Path(workdir) / OUTCOMES_ARTIFACT), str(Path(OUTCOMES_ARTIFACT).parent))

@@ -26,6 +26,7 @@ def start_run(ws, out):
     """`posttrain run` in the background, in a process group of its own (as `sh` runs it)."""
     env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROP}
     env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
+    env["SHELL"] = "/bin/sh"  # DVC runs stage commands with $SHELL -c; dash keeps itself between DVC and the stage
     return subprocess.Popen([str(BIN / "posttrain"), "run", "--workdir", str(ws)], cwd=ws, env=env,
                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -114,3 +115,52 @@ def test_only_dead_retrain_runs_of_this_workspace_are_marked(tmp_path):
         assert run.info.status == status
         assert (CRASH_TAG in run.data.tags) == (status == "KILLED")
     assert client.get_run(dead).data.tags[CRASH_TAG].startswith(f"process 41 on {here} died; marked by test at ")
+
+
+STAGE = """import os, sys, time
+from posttrain.lifetime import die_with_run
+die_with_run()
+open(sys.argv[1], "w").write(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("shell", ["/bin/sh", "/bin/bash"])  # dash stays between DVC and the stage; bash execs it
+def test_a_stage_ends_with_the_run_whatever_stands_between(tmp_path, shell):
+    """The stage side of the kill -9 test, in a second: run -> $SHELL -c -> stage, the run killed."""
+    import sys
+
+    script, pid_file = tmp_path / "stage.py", tmp_path / "stage.pid"
+    script.write_text(STAGE)
+    stage_cmd = f"{sys.executable} {script} {pid_file}"
+    run = subprocess.Popen([sys.executable, "-c", f"""import os, subprocess, time
+env = {{**os.environ, "DVC_STAGE": "grpo@dense", "POSTTRAIN_RUN_PID": str(os.getpid())}}
+subprocess.Popen([{shell!r}, "-c", {stage_cmd!r}], env=env)
+time.sleep(120)"""], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.is_file() or not pid_file.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        stage = psutil.Process(int(pid_file.read_text()))
+        assert (stage.parent().pid == run.pid) == (shell == "/bin/bash"), stage.parent().cmdline()
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait()
+        _, alive = psutil.wait_procs([stage], timeout=10)
+        assert not alive
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+
+
+def test_a_stage_whose_run_is_gone_stops_at_once(tmp_path):
+    """POSTTRAIN_RUN_PID no longer above the stage (the run ended, its pid maybe reused): killed before it starts."""
+    import sys
+
+    other = subprocess.Popen(["sleep", "60"])  # alive, but not the stage's ancestor
+    try:
+        env = {**os.environ, "DVC_STAGE": "grpo@dense", "POSTTRAIN_RUN_PID": str(other.pid)}
+        done = subprocess.run([sys.executable, "-c", STAGE, tmp_path / "pid"], env=env, timeout=60)
+    finally:
+        other.kill()
+    assert done.returncode == -signal.SIGKILL and not (tmp_path / "pid").exists()
