@@ -1,6 +1,7 @@
 """The pipeline config: one YAML file, validated whole before any compute.
 
-A variant file may say `extends: other.yaml` and hold only its overrides (deep-merged).
+A variant file may say `extends: other.yaml` and hold only its overrides (deep-merged;
+a variant that names another `data.env` takes none of the base's `data.options`).
 Every error is a `UserError` naming the file, the field and the fix in one line, and
 echoes at most `SHOWN_CHARS` of any value it quotes.
 Stage `trl:` blocks pass unchanged into TRL's `SFTConfig` / `GRPOConfig`; validation
@@ -61,7 +62,10 @@ class ModelSection(Section):
 
 
 class DataSection(Section):
-    env: Literal["arithmetic", "sql"] = Field("arithmetic", description="Environment name (posttrain.envs).")
+    env: str = Field("arithmetic", min_length=1, max_length=200,
+                     description="Environment: a built-in (arithmetic, sql), an entry point of the group "
+                                 "posttrain.envs, or an import path package.module:factory (a workspace's own "
+                                 "in custom/); posttrain/envs/base.py gives the protocol.")
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword options of the environment.")
 
 
@@ -105,8 +109,10 @@ class GRPOStage(Section):
     from_: str = Field(..., alias="from", description="The stage this one starts from: `sft` for the first, "
                                                       "else the previous stage's name.")
     rewards: dict[str, float] = Field({"correctness": 1.0}, min_length=1,
-                                      description="Reward channel -> weight (posttrain.rewards.REWARDS).")
-    guardrails: list[str] = Field(default_factory=list, description="Hard rules (posttrain.rewards.GUARDRAILS): "
+                                      description="Reward channel -> weight: a built-in (posttrain.rewards.REWARDS) "
+                                                  "or an import path package.module:function.")
+    guardrails: list[str] = Field(default_factory=list, description="Hard rules (posttrain.rewards.GUARDRAILS, or "
+                                  "import paths): "
                                   "a completion that breaks one gets the minimum reward.")
     pass_rate_filter: PassRateFilter = PassRateFilter()
     trl: dict[str, Any] = Field(default_factory=dict, description="Passed to trl.GRPOConfig unchanged.")
@@ -303,7 +309,18 @@ def read_config_dict(path: Path, _chain: tuple[Path, ...] = ()) -> dict:
         return data
     if not isinstance(parent, str) or not parent.strip():
         raise UserError(f"{path}: extends", "must name a file", "write `extends: other.yaml` (beside this file)")
-    return _deep_merge(read_config_dict(path.parent / parent, (*_chain, path.resolve())), data)
+    base = read_config_dict(path.parent / parent, (*_chain, path.resolve()))
+    merged = _deep_merge(base, data)
+    data_override = data.get("data") if isinstance(data.get("data"), dict) else {}
+    base_data = base.get("data") if isinstance(base.get("data"), dict) else {}
+    if "env" in data_override and data_override["env"] != base_data.get("env", "arithmetic"):
+        # another environment: the base's options are another schema's, none carry over
+        options = data_override.get("options")
+        merged["data"]["options"] = {k: v for k, v in options.items() if v is not None} \
+            if isinstance(options, dict) else options
+        if merged["data"]["options"] is None:
+            merged["data"].pop("options")
+    return merged
 
 
 def _deep_merge(base: dict, override: dict) -> dict:
@@ -359,15 +376,18 @@ def _check_semantics(path: Path, config: PipelineConfig) -> None:
 def _check_env(path: Path, config: PipelineConfig) -> dict[str, list[dict]]:
     """The environment's options against its own schema; then its splits (the data the
     other checks measure)."""
-    from posttrain.envs import ENVIRONMENTS, get_env
+    from posttrain.envs import env_factory, get_env, options_schema
+    from posttrain.plugins import PluginError
 
     try:
         env = get_env(config.data.env, **config.data.options)
     except ValidationError as err:
-        known = sorted(ENVIRONMENTS[config.data.env].Options.model_fields)
+        known = sorted(options_schema(env_factory(config.data.env)).model_fields)
         raise schema_error(str(path), err, ("data", "options"), known) from None
     except OptionError as err:
         raise UserError(f"{path}: data.options.{err.option}", err.problem, err.fix) from None
+    except PluginError as err:
+        raise UserError(f"{path}: data.env", err.problem, err.fix) from None
     return env.generate(config.seed)  # new data only adds to the training split
 
 
@@ -380,15 +400,16 @@ def _check_stop_when(path: Path, config: PipelineConfig, train_rows: int) -> Non
 
 def _check_grpo_names(path: Path, config: PipelineConfig) -> None:
     """Reward channels and guardrails name entries of their registries."""
-    from posttrain.rewards import GUARDRAILS, REWARDS
+    from posttrain.plugins import PluginError
+    from posttrain.rewards import guardrail, reward_channel
 
     for stage_name, stage in config.grpo.items():
-        for kind, names, registry in [("rewards", stage.rewards, REWARDS), ("guardrails", stage.guardrails, GUARDRAILS)]:
-            unknown = [name for name in names if name not in registry]
-            if unknown:
-                what = "reward channel" if kind == "rewards" else "guardrail"
-                raise UserError(f"{path}: grpo.{stage_name}.{kind}", f"unknown {what} {show(unknown[0])}",
-                                f"use one of {sorted(registry)}")
+        for kind, names, resolve in [("rewards", stage.rewards, reward_channel), ("guardrails", stage.guardrails, guardrail)]:
+            for name in names:
+                try:
+                    resolve(name)
+                except PluginError as err:
+                    raise UserError(f"{path}: grpo.{stage_name}.{kind}", err.problem, err.fix) from None
 
 
 def _check_serving(path: Path, config: PipelineConfig) -> None:

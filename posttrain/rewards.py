@@ -11,6 +11,13 @@ rules, not weights: a completion that breaks one gets every channel's minimum, s
 reward is the stage's minimum under both TRL aggregations (summing weighted channels,
 or normalising each channel within its group first, GDPO). The hit rate is logged per
 step as `guardrails/<name>/hit_rate` through TRL's `log_metric` hook.
+
+A stage may name its own channels and guardrails by import path, as TRL's CLI takes
+reward functions (`rewards: {custom.rewards:brevity: 0.2}`): a reward function
+`(completions, **columns) -> list[float]` (its `low` and `high` attributes give its
+range, default 0..1), or a `Channel` (made from the environment); a guardrail function
+`(completions, **columns) -> list[bool]`. Their curves are logged under the import path
+with `.` for `:`.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 from posttrain.envs.base import Environment
+from posttrain.plugins import PluginError, is_import_path, load_import_path
+from posttrain.yamlfile import show
 
 RewardFn = Callable[..., list[float]]
 GuardFn = Callable[..., list[bool]]
@@ -101,6 +110,42 @@ def overlong(env: Environment, max_chars: int = 8) -> GuardFn:
 GUARDRAILS: dict[str, Callable[[Environment], GuardFn]] = {"unparseable": unparseable, "overlong": overlong}
 
 
+def _by_name(name: str, registry: dict, what: str, signature: str):
+    """`registry[name]`, else the function (or Channel) an import path names; PluginError
+    (one line, with the fix) otherwise."""
+    if name in registry:
+        return registry[name]
+    if not is_import_path(name):
+        raise PluginError(f"unknown {what} {show(name)}",
+                          f"use one of {sorted(registry)}, or an import path package.module:function")
+    found = load_import_path(name)
+    if not (callable(found) or isinstance(found, Channel)):
+        raise PluginError(f"{show(name)} is a {type(found).__name__}, not a function", f"name a {what} {signature}")
+    return found
+
+
+def reward_channel(name: str) -> Channel:
+    """The channel `name` names: a built-in (REWARDS) or an import path to a Channel or a
+    reward function (its `low` / `high` attributes give its range, default 0..1)."""
+    found = _by_name(name, REWARDS, "reward channel", "(completions, **columns) -> list[float]")
+    if isinstance(found, Channel):
+        return found
+    return Channel(lambda env: found, float(getattr(found, "low", 0.0)), float(getattr(found, "high", 1.0)))
+
+
+def guardrail(name: str) -> Callable[[Environment], GuardFn]:
+    """The guardrail `name` names: a built-in (GUARDRAILS) or an import path to a function."""
+    if name in GUARDRAILS:
+        return GUARDRAILS[name]
+    found = _by_name(name, GUARDRAILS, "guardrail", "(completions, **columns) -> list[bool]")
+    return lambda env: found
+
+
+def curve_name(name: str) -> str:
+    """The name TRL logs a channel's curve under (`rewards/<name>/mean`): MLflow keys take no `:`."""
+    return name.replace(":", ".")
+
+
 def guarded(name: str, channel: Channel, env: Environment, guards: dict[str, GuardFn], log: bool) -> RewardFn:
     """The channel, with every completion that breaks a guardrail pinned to its minimum.
 
@@ -115,10 +160,10 @@ def guarded(name: str, channel: Channel, env: Environment, guards: dict[str, Gua
             hits = guard(completions, **columns)
             broken = [b or h for b, h in zip(broken, hits)]
             if log and "log_metric" in columns:
-                columns["log_metric"](f"guardrails/{guard_name}/hit_rate", sum(hits) / max(1, len(hits)))
+                columns["log_metric"](f"guardrails/{curve_name(guard_name)}/hit_rate", sum(hits) / max(1, len(hits)))
         return [channel.low if b else v for b, v in zip(broken, values)]
 
-    reward.__name__ = name  # TRL names the logged curve after the function
+    reward.__name__ = curve_name(name)  # TRL names the logged curve after the function
     return reward
 
 
@@ -126,6 +171,6 @@ def build_rewards(env: Environment, channels: dict[str, float] | list[str],
                   guardrails: list[str] = ()) -> tuple[list[RewardFn], list[float]]:
     """The stage's reward functions and weights, in config order, guardrails applied."""
     weights = channels if isinstance(channels, dict) else {name: 1.0 for name in channels}
-    guards = {name: GUARDRAILS[name](env) for name in guardrails}
-    funcs = [guarded(name, REWARDS[name], env, guards, log=(i == 0)) for i, name in enumerate(weights)]
+    guards = {name: guardrail(name)(env) for name in guardrails}
+    funcs = [guarded(name, reward_channel(name), env, guards, log=(i == 0)) for i, name in enumerate(weights)]
     return funcs, [float(w) for w in weights.values()]

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from posttrain.errors import UserError
+from posttrain.plugins import CUSTOM_DIR
 
 # What a new workspace starts from ships inside the package (posttrain/template: links to
 # this checkout's dvc.yaml, configs/, .gitignore ... that a wheel holds as files), so a
@@ -90,14 +91,30 @@ def create(dest: str | Path, config: dict, *, remote: str | Path | None = None) 
 
 
 def copy_code(dest: Path) -> None:
-    """This package's dvc.yaml and library into `dest`: the stages run the workspace's
-    copy (`stage_env`), so what DVC hashes as a dep is what runs. Nothing to do in the
-    checkout the package is installed from."""
+    """This package's dvc.yaml and library into `dest`, and the user's own code (`custom/`
+    of the current folder, where `posttrain check` imported it from): the stages run the
+    workspace's copy (`stage_env`), so what DVC hashes as a dep is what runs. Nothing to
+    do in the checkout the package is installed from."""
+    copy_custom(dest)
     if (dest / "posttrain").resolve() == PACKAGE:
         return
     shutil.copy(TEMPLATE / "dvc.yaml", dest / "dvc.yaml")
     shutil.rmtree(dest / "posttrain", ignore_errors=True)
     shutil.copytree(PACKAGE, dest / "posttrain", ignore=shutil.ignore_patterns("__pycache__", "template"))
+
+
+def copy_custom(dest: Path) -> None:
+    """`custom/` of the current folder into `dest` (a DVC dependency of the stages: it must
+    exist); one holding only its README when the current folder has none."""
+    source = Path.cwd() / CUSTOM_DIR
+    if source.resolve() == (dest / CUSTOM_DIR).resolve():
+        return
+    shutil.rmtree(dest / CUSTOM_DIR, ignore_errors=True)
+    if source.is_dir():
+        shutil.copytree(source, dest / CUSTOM_DIR, ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        (dest / CUSTOM_DIR).mkdir()
+        shutil.copy(TEMPLATE / "custom_README.md", dest / CUSTOM_DIR / "README.md")
 
 
 def prepare(workdir: str | Path, config: dict) -> Path:
@@ -111,7 +128,7 @@ def prepare(workdir: str | Path, config: dict) -> Path:
     shutil.copy(TEMPLATE / "datasets_README.md", workdir / "datasets" / "README.md")
     (workdir / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     # commit what changed, so the run's git commit names its code and config (replay)
-    _git("add", "dvc.yaml", "posttrain", "configs", "datasets/README.md", cwd=workdir)
+    _git("add", "dvc.yaml", "posttrain", CUSTOM_DIR, "configs", "datasets/README.md", cwd=workdir)
     staged = subprocess.run(["git", "diff", "--cached", "--quiet"], cwd=workdir)
     if staged.returncode:
         commit(workdir, "posttrain workspace: code and config updated")

@@ -62,7 +62,8 @@ def test_a_wheel_holds_what_a_workspace_needs(tmp_path):
     # the template's links to dvc.yaml are package data, not a second pipeline (.dvcignore)
     assert [s["name"] for s in stages(repo)] == ["prepare", "sft", "grpo@dense", "serving", "evaluate"]
     source = tmp_path / "source"   # setuptools builds in the source folder: a copy, not this checkout
-    for path in ("pyproject.toml", "README.md", "dvc.yaml", ".gitignore", ".dvcignore", "datasets/README.md"):
+    for path in ("pyproject.toml", "README.md", "dvc.yaml", ".gitignore", ".dvcignore", "datasets/README.md",
+                 "custom/README.md"):
         (source / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(repo / path, source / path)
     for folder in ("posttrain", "flows", "tasks", "configs"):
@@ -77,7 +78,7 @@ def test_a_wheel_holds_what_a_workspace_needs(tmp_path):
                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
                           capture_output=True, text=True, check=True)
     assert done.stdout.strip() == str(tmp_path / "site" / "posttrain")    # not this checkout's package
-    for path in ("dvc.yaml", ".gitignore", ".dvcignore", "configs/gpus.yaml", "datasets/README.md",
+    for path in ("dvc.yaml", ".gitignore", ".dvcignore", "configs/gpus.yaml", "datasets/README.md", "custom/README.md",
                  "posttrain/gpus.yaml", "posttrain/stages/sft.py"):
         assert (tmp_path / "ws" / path).is_file() and not (tmp_path / "ws" / path).is_symlink(), path
     assert (tmp_path / "ws" / "dvc.yaml").read_text() == (repo / "dvc.yaml").read_text()

@@ -1,24 +1,81 @@
 """RL environments: a prompt source + an answer parser + a verifier.
 
-An environment is looked up by the name used in the config (`data.env`). Reward
-channels (`posttrain.rewards`) are built on an environment's parser and verifier.
+`data.env` names one of three kinds (posttrain.envs.base documents the protocol):
+- a built-in: `arithmetic`, `sql` (ENVIRONMENTS);
+- an entry point an installed package registers in the group `posttrain.envs`;
+- an import path `package.module:factory` (a class or a function), resolved with the
+  workspace first on the path: a workspace's own environments live in `custom/`.
+Reward channels (`posttrain.rewards`) are built on an environment's parser and verifier.
 """
 
 from __future__ import annotations
 
+import contextlib
+
+from pydantic import BaseModel
+
 from posttrain.envs.arithmetic import ArithmeticEnv
-from posttrain.envs.base import EnvOptions, Environment
+from posttrain.envs.base import EnvOptions, Environment, missing_methods
 from posttrain.envs.sql import SQLEnv
+from posttrain.plugins import PluginError, entry_point, entry_point_names, is_import_path, load_import_path
+from posttrain.yamlfile import show
 
 ENVIRONMENTS: dict[str, type] = {"arithmetic": ArithmeticEnv, "sql": SQLEnv}
+ENTRY_POINT_GROUP = "posttrain.envs"
+
+
+def env_factory(name: str):
+    """What `data.env` names: a built-in, an installed entry point, or an import path.
+    PluginError (one line, with the fix) when it names nothing that loads."""
+    if name in ENVIRONMENTS:
+        return ENVIRONMENTS[name]
+    if is_import_path(name):
+        return load_import_path(name)
+    factory = entry_point(ENTRY_POINT_GROUP, name)
+    if factory is None:
+        known = sorted(ENVIRONMENTS) + entry_point_names(ENTRY_POINT_GROUP)
+        raise PluginError(f"unknown environment {show(name)}",
+                          f"use one of {known}, or an import path package.module:factory (e.g. custom.mytask:make_env)")
+    return factory
+
+
+def options_schema(factory) -> type[BaseModel] | None:
+    """The factory's `Options` schema (an EnvOptions subclass), when it declares one."""
+    schema = getattr(factory, "Options", None)
+    return schema if isinstance(schema, type) and issubclass(schema, BaseModel) else None
 
 
 def get_env(name: str, **options) -> Environment:
-    """The environment registered as `name`, built with its config options once they
-    pass its `Options` schema (pydantic's ValidationError otherwise; the config check
-    turns it into a `UserError` at `data.options.<option>`)."""
-    cls = ENVIRONMENTS[name]
-    return cls(**cls.Options.model_validate(options).model_dump())
+    """The environment `name` names, built with its config options.
+
+    A factory with an `Options` schema gets the options once they pass it (pydantic's
+    ValidationError otherwise; the config check turns it into a `UserError` at
+    `data.options.<option>`); one without gets them as keyword arguments. What it
+    returns must follow the protocol (PluginError naming what it lacks)."""
+    factory = env_factory(name)
+    if not callable(factory):
+        raise PluginError(f"{show(name)} is a {type(factory).__name__}, not a class or function",
+                          "name a class or a function that returns the environment")
+    schema = options_schema(factory)
+    if schema is not None:
+        options = schema.model_validate(options).model_dump()
+    try:
+        env = factory(**options)
+    except TypeError as err:
+        if schema is not None:
+            raise
+        raise PluginError(f"{show(name)} did not take data.options {sorted(options)}: {err}",
+                          "pass only the keyword arguments it accepts, or give it an Options schema") from None
+    missing = missing_methods(env)
+    if missing:
+        raise PluginError(f"{show(name)} returned a {type(env).__name__}, which has no {', '.join(missing)}",
+                          "return an environment: generate(seed), parse(completion), verify(completion, answer) "
+                          "(posttrain.envs.base.Environment)")
+    if not isinstance(getattr(env, "name", None), str):
+        with contextlib.suppress(AttributeError):
+            env.name = name  # messages name the environment
+    return env
 
 
-__all__ = ["ENVIRONMENTS", "EnvOptions", "Environment", "get_env"]
+__all__ = ["ENTRY_POINT_GROUP", "ENVIRONMENTS", "EnvOptions", "Environment", "env_factory", "get_env",
+           "options_schema"]

@@ -1,10 +1,40 @@
-"""The environment protocol every task implements."""
+"""The environment protocol every task implements: the one place it is written down.
+
+An environment is a task with verifiable answers. The built-ins (`arithmetic`, `sql`)
+follow it, and so must one of your own (`data.env: custom.mytask:make_env`, or an entry
+point in the group `posttrain.envs`); `get_env` checks what a factory returns.
+
+Required:
+- `generate(seed) -> {"train": [row, ...], "heldout": [row, ...]}`: the splits. A row has
+  at least `prompt`, `completion` (the SFT target) and `answer` (what `verify` compares
+  against); other columns reach reward functions as keyword arguments (TRL passes the
+  dataset's columns). The same seed gives the same splits; no held-out prompt is in train.
+- `parse(completion) -> str | None`: the answer a model completion gives, None when it
+  gives none (the `parseable` channel and the `unparseable` guardrail use it).
+- `verify(completion, answer) -> bool`: whether the completion is right (the
+  `correctness` channel, the gate, evaluation, pass@k). The SFT targets must verify:
+  the format contract refuses SFT before compute otherwise.
+Neither `parse` nor `verify` does I/O or keeps state, so rewards built on them stay pure
+(a task that must execute model output does it sandboxed: `posttrain.sandbox`).
+
+Optional:
+- `name` (str): how messages name it (default: what `data.env` says).
+- `Options`: an `EnvOptions` schema of the factory's keyword options (`data.options`);
+  with it, a bad option is a one-line error naming it and listing the valid ones.
+  Without it the options are passed as keyword arguments unchecked.
+- `check_row(row) -> str | None`: why an incoming row (`incoming/`, posttrain.ingest)
+  is not a valid example beyond verifying its own completion, or None.
+- Reward channels are not the environment's: `posttrain.rewards` builds them from
+  `parse`/`verify`, and a stage may add its own by import path.
+"""
 
 from __future__ import annotations
 
 from typing import ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict
+
+REQUIRED = ("generate", "parse", "verify")
 
 
 class EnvOptions(BaseModel):
@@ -15,14 +45,7 @@ class EnvOptions(BaseModel):
 
 
 class Environment(Protocol):
-    """A task with verifiable answers.
-
-    `Options` is the `EnvOptions` schema of the constructor's keyword options.
-    `generate` returns the splits as lists of rows with at least `prompt`, `completion`
-    (the SFT target) and `answer` (what the verifier compares against). `parse` turns a
-    model completion into an answer (None when unparseable); `verify` says whether a
-    completion is correct. Neither does I/O, so rewards built on them stay pure.
-    """
+    """A task with verifiable answers (the module docstring gives the contract)."""
 
     name: str
     Options: ClassVar[type[EnvOptions]]
@@ -32,3 +55,8 @@ class Environment(Protocol):
     def parse(self, completion: str) -> str | None: ...
 
     def verify(self, completion: str, answer: str) -> bool: ...
+
+
+def missing_methods(env) -> list[str]:
+    """The required methods `env` lacks."""
+    return [method for method in REQUIRED if not callable(getattr(env, method, None))]

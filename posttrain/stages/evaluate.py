@@ -19,7 +19,7 @@ from posttrain.envs import get_env
 from posttrain.evaluation import outcomes, resolve_backend, sample_models, score
 from posttrain.files import read_jsonl, write_json
 from posttrain.layout import model_dirs
-from posttrain.rewards import REWARDS
+from posttrain.rewards import curve_name, reward_channel
 from posttrain.tracking import flatten, stage_run
 
 
@@ -33,7 +33,7 @@ def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_
         completions = sample_models(model_dirs(config, models_dir), [r["prompt"] for r in rows], backend=backend,
                                     n=settings.n_samples, temperature=settings.temperature,
                                     max_new_tokens=settings.max_new_tokens, seed=config.seed)
-        channels = {name: REWARDS[name].make(env) for name in reward_channels(config)}
+        channels = {curve_name(name): reward_channel(name).make(env) for name in reward_channels(config)}
         report, per_prompt = {}, {}
         for name, (greedy, sampled) in completions.items():
             report[name], samples = score(env, rows, greedy, sampled, ks=settings.k, channels=channels,
