@@ -67,6 +67,8 @@ class DataSection(Section):
                                  "posttrain.envs, or an import path package.module:factory (a workspace's own "
                                  "in custom/); posttrain/envs/base.py gives the protocol.")
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword options of the environment.")
+    chat: bool = Field(False, description="Conversational prompts: the model's chat template (its tokenizer's) "
+                                          "wraps each prompt, with the environment's system prompt; needs model.path.")
 
 
 class StopWhen(Section):
@@ -82,6 +84,8 @@ class StopWhen(Section):
 
 class SFTSection(Section):
     trl: dict[str, Any] = Field(default_factory=dict, description="Passed to trl.SFTConfig unchanged.")
+    peft: dict[str, Any] | None = Field(None, description="LoRA: options of peft.LoraConfig (r, lora_alpha, "
+                                       "target_modules, ...); the stage outputs the merged model and the adapter.")
     stop_when: StopWhen | None = Field(None, description="Stop on a validation target; null trains for the "
                                                          "whole `trl:` schedule.")
 
@@ -116,6 +120,8 @@ class GRPOStage(Section):
                                   "a completion that breaks one gets the minimum reward.")
     pass_rate_filter: PassRateFilter = PassRateFilter()
     trl: dict[str, Any] = Field(default_factory=dict, description="Passed to trl.GRPOConfig unchanged.")
+    peft: dict[str, Any] | None = Field(None, description="LoRA: options of peft.LoraConfig (r, lora_alpha, "
+                                       "target_modules, ...); the stage outputs the merged model and the adapter.")
 
 
 class GateSection(Section):
@@ -366,6 +372,7 @@ def _check_semantics(path: Path, config: PipelineConfig) -> None:
     _check_grpo_names(path, config)
     _check_serving(path, config)
     heads, kv_heads, positions = model_shape(path, config)
+    _check_chat(path, config)
     _check_tensor_parallel(path, config.serving.tensor_parallel_size, heads, kv_heads)
     _check_lengths(path, config, max(len(r["prompt"]) for split in rows.values() for r in split), positions)
     if not known_metric(config, config.promotion.metric):
@@ -381,6 +388,7 @@ def _check_env(path: Path, config: PipelineConfig) -> dict[str, list[dict]]:
 
     try:
         env = get_env(config.data.env, **config.data.options)
+        return env.generate(config.seed)  # new data only adds to the training split
     except ValidationError as err:
         known = sorted(options_schema(env_factory(config.data.env)).model_fields)
         raise schema_error(str(path), err, ("data", "options"), known) from None
@@ -388,7 +396,6 @@ def _check_env(path: Path, config: PipelineConfig) -> dict[str, list[dict]]:
         raise UserError(f"{path}: data.options.{err.option}", err.problem, err.fix) from None
     except PluginError as err:
         raise UserError(f"{path}: data.env", err.problem, err.fix) from None
-    return env.generate(config.seed)  # new data only adds to the training split
 
 
 def _check_stop_when(path: Path, config: PipelineConfig, train_rows: int) -> None:
@@ -427,6 +434,21 @@ def _check_serving(path: Path, config: PipelineConfig) -> None:
     for field, gpu in [("serving.gpu", serving.gpu), ("serving.slo.gpu", serving.slo.gpu)]:
         if gpu is not None and gpu not in profiles:
             raise UserError(f"{path}: {field}", f"unknown GPU profile {show(gpu)} in {gpus}", f"use one of {sorted(profiles)}")
+
+
+def _check_chat(path: Path, config: PipelineConfig) -> None:
+    """`data.chat` needs a model whose tokenizer carries a chat template."""
+    if not config.data.chat:
+        return
+    if config.model.path is None:
+        raise UserError(f"{path}: data.chat", "the tiny built-in model has no chat template",
+                        "set model.path to a chat model's folder, or data.chat: false")
+    from posttrain.chat import chat_template
+
+    if chat_template(config.model.path) is None:
+        raise UserError(f"{path}: data.chat", f"the tokenizer in {show(config.model.path)} has no chat template "
+                        "(no chat_template in tokenizer_config.json, no chat_template.jinja)",
+                        "use a chat (instruct) model's folder, add its template, or set data.chat: false")
 
 
 def model_shape(path: Path, config: PipelineConfig) -> tuple[int, int, int]:
@@ -506,13 +528,41 @@ def known_metric(config: PipelineConfig, metric: str) -> bool:
 
 
 def check_trl_blocks(path: Path, config: PipelineConfig) -> None:
-    """Build SFTConfig / GRPOConfig from the `trl:` blocks, so TRL validates them now."""
+    """Build SFTConfig / GRPOConfig from the `trl:` blocks, so TRL validates them now, and
+    the LoRA configs from the `peft:` blocks."""
     from trl import GRPOConfig, SFTConfig
 
     blocks = [("sft.trl", SFTConfig, config.sft.trl)]
     blocks += [(f"grpo.{name}.trl", GRPOConfig, grpo_trl_options(s)) for name, s in config.grpo.items()]
     for field, cls, options in blocks:
         build_trl_config(f"{path}: {field}", cls, options, output_dir="/nonexistent/posttrain-check")
+    peft = [("sft.peft", config.sft.peft)] + [(f"grpo.{name}.peft", s.peft) for name, s in config.grpo.items()]
+    for field, options in peft:
+        if options is not None:
+            build_lora_config(f"{path}: {field}", options)
+
+
+def build_lora_config(where: str, options: dict):
+    """`peft.LoraConfig(**options)`; an option LoRA does not know names the nearest valid
+    one, an invalid value is one line (`UserError`)."""
+    from peft import LoraConfig
+
+    known = {f.name for f in dataclasses.fields(LoraConfig) if f.init}
+    for key in options:
+        if key not in known:
+            hint = difflib.get_close_matches(str(key), known, n=3, cutoff=0.4)
+            fix = f"did you mean {' or '.join(map(repr, hint))}?" if hint else \
+                f"use LoraConfig's options, e.g. {['r', 'lora_alpha', 'lora_dropout', 'target_modules']}"
+            raise UserError(f"{where}.{str(key)[:SHOWN_CHARS]}", "unknown LoraConfig option", fix)
+    try:
+        trl_schema(LoraConfig).model_validate(options)
+    except ValidationError as err:
+        file, _, block = where.rpartition(": ")
+        raise schema_error(file, err, tuple(block.split("."))) from None
+    try:
+        return LoraConfig(**options)
+    except (ValueError, TypeError) as err:
+        raise UserError(where, " ".join(str(err).split())[:300], "adjust the LoRA options as the message says") from None
 
 
 def grpo_trl_options(stage: GRPOStage) -> dict:
@@ -569,10 +619,18 @@ TRL_BOUNDS = {
 
 
 @functools.cache
+def _plain(hint):
+    """`hint`, or Any where it names a nested config dataclass (peft's ArrowConfig, ...):
+    the library checks those itself."""
+    def nested(t) -> bool:
+        return (isinstance(t, type) and dataclasses.is_dataclass(t)) or any(nested(a) for a in typing.get_args(t))
+    return Any if nested(hint) else hint
+
+
 def trl_schema(cls) -> type[BaseModel]:
-    """A pydantic model of `cls`'s options from TRL's own annotations, strict (YAML reads
+    """A pydantic model of `cls`'s options from TRL's (or peft's) own annotations, strict (YAML reads
     `1e-3` as a string: it must not reach the optimizer) and bounded by TRL_BOUNDS."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: (Annotated[hints[f.name], Field(**TRL_BOUNDS.get(f.name, {}))] | None, None)
-              for f in dataclasses.fields(cls)}
+    fields = {f.name: (Annotated[_plain(hints[f.name]), Field(**TRL_BOUNDS.get(f.name, {}))] | None, None)
+              for f in dataclasses.fields(cls) if f.init}
     return create_model(f"{cls.__name__}Options", __config__=ConfigDict(strict=True, extra="allow"), **fields)

@@ -125,10 +125,10 @@ def check_format_contract(env, rows: list[dict], *, where: str, threshold: float
     failing = [r for r in rows if not env.verify(r["completion"], r["answer"])]
     share = 1 - len(failing) / max(1, len(rows))
     if share < threshold:
-        example = failing[0]
-        raise UserError(where, f"format contract: only {share:.1%} of SFT targets verify with the {env.name} "
-                        f"environment's parser (need {threshold:.0%}); e.g. target {example['completion']!r} "
-                        f"parses as {env.parse(example['completion'])!r}, expected {example['answer']!r}",
+        examples = "; ".join(f"target {r['completion'][:60]!r} parses as {str(env.parse(r['completion']))[:40]!r}, "
+                             f"expected {r['answer'][:40]!r}" for r in failing[:2])
+        raise UserError(where, f"format contract: {len(failing)} of {len(rows)} SFT targets fail the {env.name} "
+                        f"environment's verifier (only {share:.1%} verify, need {threshold:.0%}); e.g. {examples}",
                         "make the SFT completions use the answer format the parser reads "
                         "(or fix the environment's parser)")
     return share

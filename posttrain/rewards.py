@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+from posttrain.chat import completion_texts
 from posttrain.envs.base import Environment
 from posttrain.plugins import PluginError, is_import_path, load_import_path
 from posttrain.yamlfile import show
@@ -85,11 +86,35 @@ def similarity(env: Environment) -> RewardFn:
     return similarity
 
 
+def format_channel(env: Environment) -> RewardFn:
+    """1.0 when the completion keeps the task's format: the environment's `format_ok`
+    (the dataset environment: `format_pattern`, else `answer_pattern` found), else
+    whether its parser reads an answer."""
+    ok = getattr(env, "format_ok", None) or (lambda c: env.parse(c) is not None)
+
+    def format(completions, **_):
+        return [float(bool(ok(c))) for c in completions]
+    return format
+
+
+LENGTH_SCALE = 1000  # characters: the length cost reaches its floor (-1) there
+
+
+def length(env: Environment) -> RewardFn:
+    """A length cost: -characters / 1000, at most -1. Weight it small (0.05-0.2) beside
+    correctness to prefer the shorter of two right answers."""
+    def length(completions, **_):
+        return [-min(1.0, len(c) / LENGTH_SCALE) for c in completions]
+    return length
+
+
 REWARDS: dict[str, Channel] = {
     "correctness": Channel(correctness, 0.0, 1.0),
     "parseable": Channel(parseable, 0.0, 1.0),
     "digits": Channel(digits, 0.0, 1.0),
     "similarity": Channel(similarity, 0.0, 1.0),
+    "format": Channel(format_channel, 0.0, 1.0),
+    "length": Channel(length, -1.0, 0.0),
 }
 
 
@@ -154,6 +179,7 @@ def guarded(name: str, channel: Channel, env: Environment, guards: dict[str, Gua
     score = channel.make(env)
 
     def reward(completions, **columns):
+        completions = completion_texts(completions)  # TRL passes messages for conversational prompts
         values = score(completions, **columns)
         broken = [False] * len(completions)
         for guard_name, guard in guards.items():

@@ -43,6 +43,39 @@ def train(trainer, checkpoint_dir: str) -> tuple[float, int]:
     return time.perf_counter() - start, resumed
 
 
+ADAPTER_DIR = "adapter"  # inside a LoRA stage's model folder: the adapter the merged model was made from
+
+
+def lora_config(where: str, options: dict | None):
+    """The stage's `peft:` block as a `peft.LoraConfig` for TRL's `peft_config`; None
+    trains every weight."""
+    if options is None:
+        return None
+    from posttrain.config import build_lora_config
+
+    return build_lora_config(where, options)
+
+
+def save_model(trainer, out_dir: str) -> None:
+    """The trained model into `out_dir`. A LoRA stage saves its adapter to
+    `<out_dir>/adapter` (also logged to the stage's MLflow run) and the base model with
+    the adapter merged in to `out_dir`: what later stages, evaluation and vLLM load."""
+    import sys
+
+    peft = sys.modules.get("peft")  # a LoRA stage imported it; a full one need not
+    model = trainer.model
+    if peft is None or not isinstance(model, peft.PeftModel):
+        trainer.save_model(out_dir)
+        return
+    import mlflow
+
+    adapter = Path(out_dir) / ADAPTER_DIR
+    model.save_pretrained(adapter)
+    model.merge_and_unload().save_pretrained(out_dir)
+    trainer.processing_class.save_pretrained(out_dir)
+    mlflow.log_artifacts(str(adapter), ADAPTER_DIR)
+
+
 def gate_evaluation(model_dir: str, env, config, data_dir: str) -> dict:
     """Held-out greedy accuracy and the gate's pass@k for one model, with their 95%
     intervals and the per-prompt `outcomes` the gate's paired tests read."""

@@ -21,8 +21,10 @@ def test_a_mismatched_target_format_stops_with_an_example():
     with pytest.raises(UserError) as err:
         check_format_contract(env, env.generate(0)["train"], where="data/train.jsonl")
     message = str(err.value)
-    assert message.startswith("data/train.jsonl: format contract: only 0.0% of SFT targets verify")
-    assert "parses as None, expected" in message and "target '= " in message and "fix:" in message
+    rows = len(env.generate(0)["train"])
+    assert message.startswith(f"data/train.jsonl: format contract: {rows} of {rows} SFT targets fail the arithmetic "
+                              "environment's verifier (only 0.0% verify")
+    assert "parses as 'None', expected" in message and "target '= " in message and "fix:" in message
 
 
 def test_one_bad_target_in_a_hundred_is_tolerated_two_are_not():

@@ -1,7 +1,7 @@
 """RL environments: a prompt source + an answer parser + a verifier.
 
 `data.env` names one of three kinds (posttrain.envs.base documents the protocol):
-- a built-in: `arithmetic`, `sql` (ENVIRONMENTS);
+- a built-in: `arithmetic`, `sql`, `dataset` (your own files and a verifier) (ENVIRONMENTS);
 - an entry point an installed package registers in the group `posttrain.envs`;
 - an import path `package.module:factory` (a class or a function), resolved with the
   workspace first on the path: a workspace's own environments live in `custom/`.
@@ -16,11 +16,12 @@ from pydantic import BaseModel
 
 from posttrain.envs.arithmetic import ArithmeticEnv
 from posttrain.envs.base import EnvOptions, Environment, missing_methods
+from posttrain.envs.dataset import DatasetEnv
 from posttrain.envs.sql import SQLEnv
 from posttrain.plugins import PluginError, entry_point, entry_point_names, is_import_path, load_import_path
 from posttrain.yamlfile import show
 
-ENVIRONMENTS: dict[str, type] = {"arithmetic": ArithmeticEnv, "sql": SQLEnv}
+ENVIRONMENTS: dict[str, type] = {"arithmetic": ArithmeticEnv, "sql": SQLEnv, "dataset": DatasetEnv}
 ENTRY_POINT_GROUP = "posttrain.envs"
 
 

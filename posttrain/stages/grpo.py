@@ -14,6 +14,7 @@ from pathlib import Path
 import mlflow
 
 from posttrain import checkpoints
+from posttrain.chat import grpo_rows
 from posttrain.config import build_trl_config, grpo_trl_options
 from posttrain.envs import get_env
 from posttrain.evaluation import pass_rates
@@ -21,7 +22,7 @@ from posttrain.files import read_jsonl, write_json
 from posttrain.gate import decide, reward_trend
 from posttrain.rewards import build_rewards
 from posttrain.tracking import flatten, stage_run
-from posttrain.training import gate_evaluation, gate_figures, read_card, train, write_card
+from posttrain.training import gate_evaluation, gate_figures, lora_config, read_card, save_model, train, write_card
 
 ZERO_STD_WARNING = 0.5
 
@@ -90,11 +91,12 @@ def run_trainer(config, name, env, rows, init_dir, out_dir, run_dir) -> tuple[li
     funcs, _ = build_rewards(env, stage.rewards, stage.guardrails)
     args = build_trl_config(f"grpo.{name}.trl", GRPOConfig, {"seed": config.seed, **grpo_trl_options(stage)},
                             output_dir=run_dir, report_to=["mlflow"], run_name=name)
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    dataset = Dataset.from_list(grpo_rows(rows))
     trainer = GRPOTrainer(model=init_dir, reward_funcs=funcs, args=args, train_dataset=dataset,
-                          processing_class=AutoTokenizer.from_pretrained(init_dir))
+                          processing_class=AutoTokenizer.from_pretrained(init_dir),
+                          peft_config=lora_config(f"grpo.{name}.peft", stage.peft))
     seconds, resumed = train(trainer, run_dir)
-    trainer.save_model(out_dir)
+    save_model(trainer, out_dir)
     logs = [e for e in trainer.state.log_history if "reward" in e]
     curve = [{"step": e["step"], "reward": e["reward"], "frac_reward_zero_std": e["frac_reward_zero_std"],
               **{k.split("/")[1]: e[k] for k in e if k.startswith("rewards/") and k.endswith("/mean")}}

@@ -1,7 +1,8 @@
 """Stage `prepare`: the data set's splits and the base model.
 
 Writes `data/{train,heldout}.jsonl` and a manifest, and the base model folder: the
-tiny model built locally, or a pointer to the local `model.path`.
+tiny model built locally, or a pointer to the local `model.path`. With `data.chat`, each
+row's prompt is rendered with the base model's chat template (posttrain.chat).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import mlflow
 
+from posttrain.chat import render
 from posttrain.envs import get_env
 from posttrain.files import write_json, write_jsonl
 from posttrain.ingest import extra_rows
@@ -24,8 +26,10 @@ def main(config, *, data_dir: str, datasets_dir: str, model_dir: str, metrics_pa
         env = get_env(config.data.env, **config.data.options)
         splits = env.generate(config.seed)
         added = add_rows(splits, extra_rows(datasets_dir))
-        manifest = write_splits(splits, Path(data_dir))
         params = prepare_model(config, Path(model_dir))
+        if config.data.chat:  # the base model's chat template around every prompt (posttrain.chat)
+            splits = chat_splits(config, env, splits)
+        manifest = write_splits(splits, Path(data_dir))
         metrics = {f"{name}_rows": float(len(rows)) for name, rows in splits.items()}
         metrics["datasets_rows"] = float(added)
         metrics["base_params"] = float(params)
@@ -34,6 +38,13 @@ def main(config, *, data_dir: str, datasets_dir: str, model_dir: str, metrics_pa
         log_json_artifact(manifest, "data_manifest.json")
         write_json(metrics_path, metrics)
     return metrics
+
+
+def chat_splits(config, env, splits: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(Path(config.model.path).resolve()))
+    return {name: render(rows, tokenizer, getattr(env, "system", None)) for name, rows in splits.items()}
 
 
 def add_rows(splits: dict[str, list[dict]], rows: list[dict]) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 import mlflow
 
 from posttrain import checkpoints
+from posttrain.chat import sft_rows
 from posttrain.config import build_trl_config
 from posttrain.envs import get_env
 from posttrain.evaluation import check_format_contract
@@ -24,7 +25,7 @@ from posttrain.files import read_jsonl, write_json
 from posttrain.layout import resolve_model_dir
 from posttrain.stopping import StopOnTarget, carve_validation, validation_curve
 from posttrain.tracking import flatten, stage_run
-from posttrain.training import gate_evaluation, gate_figures, train, write_card
+from posttrain.training import gate_evaluation, gate_figures, lora_config, save_model, train, write_card
 
 
 def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: str,
@@ -38,7 +39,7 @@ def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: 
         base = resolve_model_dir(base_dir)
         run_dir = checkpoints.run_dir(checkpoint_dir, [config.seed, config.sft.model_dump()], [Path(data_dir), base])
         trainer, seconds, resumed, measuring = run_trainer(config, env, rows, validation, base, run_dir)
-        trainer.save_model(out_dir)
+        save_model(trainer, out_dir)
         checkpoints.clear(checkpoint_dir)
         evaluation = gate_evaluation(out_dir, env, config, data_dir)
         # the base model's score: the floor the reward-hacking sentinel holds every later stage to
@@ -70,11 +71,12 @@ def run_trainer(config, env, rows, validation, base: str, run_dir: str):
     from transformers import AutoTokenizer, Trainer
     from trl import SFTConfig, SFTTrainer
 
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in rows])
+    dataset = Dataset.from_list(sft_rows(rows))
     args = build_trl_config("sft.trl", SFTConfig, {"seed": config.seed, **config.sft.trl},
                             output_dir=run_dir, report_to=["mlflow"], run_name="sft")
     trainer = SFTTrainer(model=base, args=args, train_dataset=dataset,
-                         processing_class=AutoTokenizer.from_pretrained(base))
+                         processing_class=AutoTokenizer.from_pretrained(base),
+                         peft_config=lora_config("sft.peft", config.sft.peft))
     stop, stopper = config.sft.stop_when, None
     if stop is not None:
         # Trainer.log, not SFTTrainer.log: TRL's override would take the token-accuracy averages it logs next
