@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, SMALL, make_workspace, sh
+from conftest import REPO, SMALL, sh
 from hardening import assert_nothing_left, assert_refused, cli, state
 from posttrain.envs import get_env
 from posttrain.plugins import PluginError
@@ -157,21 +157,36 @@ def test_a_name_that_does_not_load_is_refused_in_one_line(project, override, nee
 
 # --- through DVC -------------------------------------------------------------------------
 @pytest.mark.slow
-def test_custom_code_runs_under_dvc_and_editing_it_reruns_the_stages(project):
+def test_custom_code_runs_in_a_run_and_editing_it_reruns_the_stages(project):
+    """`posttrain run --config` from the project folder: the variant workspace gets the
+    project's custom/, its stages run the custom environment and reward (under DVC and
+    Prefect), and an edit to custom/ reaches the workspace and reruns its stages."""
+    from posttrain import workspace
+
     overrides = {**SMALL, "data": {"env": "custom.words:make_env", "options": {"operand_max": 9, "heldout_size": 20}},
                  "grpo": {"dense": {**SMALL["grpo"]["dense"], "rewards": {"correctness": 1.0, "custom.rewards:brevity": 0.5},
                                     "guardrails": ["custom.rewards:blank"]}}}
-    ws = make_workspace(project / "ws", overrides)   # gets a copy of the current folder's custom/
+    path = project / "configs" / "words.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump({"extends": str(REPO / "configs" / "pipeline.yaml"), **overrides}, sort_keys=False))
+    ws = project / "ws"
+    sh("posttrain", "run", "--config", path, "--workdir", ws, cwd=project, timeout=900)
     assert (ws / "custom" / "words.py").read_text() == WORDS
-    sh("dvc", "repro", "grpo@dense", cwd=ws)
     train = [json.loads(line) for line in (ws / "data" / "train.jsonl").read_text().splitlines()]
     assert all(row["prompt"].endswith("?") for row in train)      # the custom environment's data
-    metrics = json.loads((ws / "metrics" / "grpo" / "dense.json").read_text())
-    assert metrics["steps"] == 4
-    assert "up to date" in sh("dvc", "status", "grpo@dense", cwd=ws).stdout
-    rewards = ws / "custom" / "rewards.py"
+    assert json.loads((ws / "metrics" / "grpo" / "dense.json").read_text())["steps"] == 4
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{ws / 'mlflow.db'}")
+    [grpo] = mlflow.search_runs(search_all_experiments=True, filter_string="tags.`posttrain.stage` = 'grpo@dense'",
+                                output_format="list")
+    assert "rewards/custom.rewards.brevity/mean" in grpo.data.metrics      # the custom channel's curve
+    assert "up to date" in sh("dvc", "status", cwd=ws).stdout
+
+    rewards = project / "custom" / "rewards.py"                           # edited in the project
     rewards.write_text(rewards.read_text() + "\n\ndef unused(completions, **columns):\n    return [0.0] * len(completions)\n")
+    workspace.copy_custom(ws)                                              # what the next `posttrain run` does first
     status = yaml.safe_load(sh("dvc", "status", "--json", cwd=ws).stdout)
     changed = {name for name, changes in status.items()
                if any("custom" in (c.get("changed deps") or {}) for c in changes if isinstance(c, dict))}
-    assert {"prepare", "sft", "grpo@dense"} <= changed, status
+    assert changed == {"prepare", "sft", "grpo@dense", "serving", "evaluate"}, status

@@ -235,3 +235,19 @@ def test_the_qwen_recipe_checks_against_the_published_config(tmp_path):
     assert config["sft"]["peft"] and config["grpo"]["math"]["peft"]                              # LoRA
     assert config["grpo"]["math"]["trl"]["use_vllm"] and config["grpo"]["math"]["trl"]["vllm_mode"] == "colocate"
     assert config["sft"]["trl"]["bf16"] and config["grpo"]["math"]["trl"]["gradient_checkpointing"]
+
+
+def test_prose_targets_for_a_choice_task_stop_sft_before_compute(project):
+    """The format contract on a real task: one-letter answers, prose SFT targets."""
+    from posttrain.errors import UserError
+    from posttrain.evaluation import check_format_contract
+
+    rows = [{"question": f"Q{i}: pick one", "solution": "B", "completion": "I think the answer is B"} for i in range(40)]
+    rows[:10] = [{**r, "completion": "B"} for r in rows[:10]]
+    write_jsonl(project / "custom" / "mc.jsonl", rows)
+    env = get_env("dataset", **{**OPTIONS, "train": "custom/mc.jsonl", "verifier": "choice"})
+    with pytest.raises(UserError) as err:
+        check_format_contract(env, env.generate(0)["train"], where="data/train.jsonl")
+    message = str(err.value)
+    assert "30 of 40 SFT targets fail the dataset environment's verifier" in message
+    assert "target 'I think the answer is B' parses as 'None', expected 'B'" in message
