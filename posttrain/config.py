@@ -367,20 +367,22 @@ def _check_semantics(path: Path, config: PipelineConfig) -> None:
     if config.gate.k > config.gate.n_samples:
         raise UserError(f"{path}: gate.k", f"k={config.gate.k} exceeds gate.n_samples ({config.gate.n_samples})",
                         "lower gate.k or raise gate.n_samples")
-    rows = _check_env(path, config)
+    env, rows = _check_env(path, config)
     _check_stop_when(path, config, len(rows["train"]))
     _check_grpo_names(path, config)
     _check_serving(path, config)
     heads, kv_heads, positions = model_shape(path, config)
-    _check_chat(path, config)
+    longest = max(len(r["prompt"]) for split in rows.values() for r in split)
+    if _check_chat(path, config):  # the prompt as generation sees it: inside the chat template
+        longest = _longest_rendered(config, getattr(env, "system", None), rows)
     _check_tensor_parallel(path, config.serving.tensor_parallel_size, heads, kv_heads)
-    _check_lengths(path, config, max(len(r["prompt"]) for split in rows.values() for r in split), positions)
+    _check_lengths(path, config, longest, positions)
     if not known_metric(config, config.promotion.metric):
         raise UserError(f"{path}: promotion.metric", f"{show(config.promotion.metric)} is not a metric the pipeline "
                         "records", f"use e.g. evaluate.grpo.greedy_accuracy or evaluate.grpo.pass_at_k.{config.evaluate.k[-1]}")
 
 
-def _check_env(path: Path, config: PipelineConfig) -> dict[str, list[dict]]:
+def _check_env(path: Path, config: PipelineConfig) -> tuple[Any, dict[str, list[dict]]]:
     """The environment's options against its own schema; then its splits (the data the
     other checks measure)."""
     from posttrain.envs import env_factory, get_env, options_schema
@@ -388,7 +390,7 @@ def _check_env(path: Path, config: PipelineConfig) -> dict[str, list[dict]]:
 
     try:
         env = get_env(config.data.env, **config.data.options)
-        return env.generate(config.seed)  # new data only adds to the training split
+        return env, env.generate(config.seed)  # new data only adds to the training split
     except ValidationError as err:
         known = sorted(options_schema(env_factory(config.data.env)).model_fields)
         raise schema_error(str(path), err, ("data", "options"), known) from None
@@ -436,10 +438,10 @@ def _check_serving(path: Path, config: PipelineConfig) -> None:
             raise UserError(f"{path}: {field}", f"unknown GPU profile {show(gpu)} in {gpus}", f"use one of {sorted(profiles)}")
 
 
-def _check_chat(path: Path, config: PipelineConfig) -> None:
-    """`data.chat` needs a model whose tokenizer carries a chat template."""
+def _check_chat(path: Path, config: PipelineConfig) -> bool:
+    """`data.chat` needs a model whose tokenizer carries a chat template; whether it is on."""
     if not config.data.chat:
-        return
+        return False
     if config.model.path is None:
         raise UserError(f"{path}: data.chat", "the tiny built-in model has no chat template",
                         "set model.path to a chat model's folder, or data.chat: false")
@@ -449,6 +451,19 @@ def _check_chat(path: Path, config: PipelineConfig) -> None:
         raise UserError(f"{path}: data.chat", f"the tokenizer in {show(config.model.path)} has no chat template "
                         "(no chat_template in tokenizer_config.json, no chat_template.jinja)",
                         "use a chat (instruct) model's folder, add its template, or set data.chat: false")
+    return True
+
+
+def _longest_rendered(config: PipelineConfig, system: str | None, rows: dict[str, list[dict]]) -> int:
+    """Characters of the longest prompt once the chat template wraps it (an upper bound
+    of its tokens, as for plain prompts)."""
+    from transformers import AutoTokenizer
+
+    from posttrain.chat import render
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    longest = max((r for split in rows.values() for r in split), key=lambda r: len(r["prompt"]))
+    return len(render([longest], tokenizer, system)[0]["prompt"])
 
 
 def model_shape(path: Path, config: PipelineConfig) -> tuple[int, int, int]:
@@ -507,6 +522,10 @@ def _check_lengths(path: Path, config: PipelineConfig, longest_prompt: int, posi
     lengths = [("evaluate.max_new_tokens", config.evaluate.max_new_tokens)]
     lengths += [(f"grpo.{name}.trl.max_completion_length", stage.trl.get("max_completion_length"))
                 for name, stage in config.grpo.items()]
+    if longest_prompt >= positions:
+        raise UserError(f"{path}: data", f"prompts of up to {longest_prompt} characters leave no room in the model's "
+                        f"{positions} positions", "shorten the prompts (and the system prompt) or use a model with more "
+                        "positions")
     for field, tokens in lengths:
         if isinstance(tokens, int) and longest_prompt + tokens > positions:
             raise UserError(f"{path}: {field}", f"{show(tokens)} tokens after a prompt of up to {longest_prompt} "

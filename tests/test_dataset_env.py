@@ -251,3 +251,19 @@ def test_prose_targets_for_a_choice_task_stop_sft_before_compute(project):
     message = str(err.value)
     assert "30 of 40 SFT targets fail the dataset environment's verifier" in message
     assert "target 'I think the answer is B' parses as 'None', expected 'B'" in message
+
+
+def test_lengths_are_checked_on_the_prompt_inside_the_chat_template(project):
+    model = build_chat_model(project / "chat-model", ["What is 1 + 1? \\boxed{2}"] * 20, vocab_size=300, positions=120)
+    config = {"extends": str(REPO / "configs" / "pipeline.yaml"), "model": {"path": str(model)},
+              "data": {"env": "dataset", "chat": True, "options": {**OPTIONS, "system": "Answer in \\boxed{}."}},
+              "sft": {"stop_when": None}, "evaluate": {"max_new_tokens": 8}, "grpo": {"dense": {"trl": {"max_completion_length": 5}}}}
+    path = project / "configs" / "chat.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump(config))
+    # the longest prompt is 16 characters; inside ChatML with the system turn, 115
+    assert_refused(cli("check", "--config", path, cwd=project), "evaluate.max_new_tokens", "prompt of up to 115",
+                   "use at most 5")
+    config["data"]["chat"] = False
+    path.write_text(yaml.safe_dump(config))
+    assert cli("check", "--config", path, cwd=project).returncode == 0
