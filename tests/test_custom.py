@@ -160,7 +160,8 @@ def test_a_name_that_does_not_load_is_refused_in_one_line(project, override, nee
 def test_custom_code_runs_in_a_run_and_editing_it_reruns_the_stages(project):
     """`posttrain run --config` from the project folder: the variant workspace gets the
     project's custom/, its stages run the custom environment and reward (under DVC and
-    Prefect), and an edit to custom/ reaches the workspace and reruns its stages."""
+    Prefect), `posttrain replay` reproduces the run from its commit, and an edit to
+    custom/ reaches the workspace and reruns its stages."""
     from posttrain import workspace
 
     overrides = {**SMALL, "data": {"env": "custom.words:make_env", "options": {"operand_max": 9, "heldout_size": 20}},
@@ -182,6 +183,12 @@ def test_custom_code_runs_in_a_run_and_editing_it_reruns_the_stages(project):
                                 output_format="list")
     assert "rewards/custom.rewards.brevity/mean" in grpo.data.metrics      # the custom channel's curve
     assert "up to date" in sh("dvc", "status", cwd=ws).stdout
+    # replay: a clone of the run's commit (custom/ included) reruns every stage to the same numbers
+    [parent] = mlflow.search_runs(search_all_experiments=True, filter_string="tags.`posttrain.flow` = 'retrain'",
+                                  output_format="list")
+    done = sh("posttrain", "replay", parent.info.run_id, "--tracking-uri", f"sqlite:///{ws / 'mlflow.db'}",
+              "--scratch", project / "replay", cwd=ws, check=False, timeout=900)
+    assert done.returncode == 0 and ", 0 DIFFERENT," in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
 
     rewards = project / "custom" / "rewards.py"                           # edited in the project
     rewards.write_text(rewards.read_text() + "\n\ndef unused(completions, **columns):\n    return [0.0] * len(completions)\n")
