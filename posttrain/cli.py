@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from posttrain.errors import GateFailure, ReplayError, UserError
 from posttrain.profiles import PACKAGED as PACKAGED_PROFILES
@@ -106,13 +107,10 @@ def run_stage(args) -> None:
 
     die_with_run()  # under the flow's `dvc repro`: the stage ends with the flow (kill -9 of the run included)
     import importlib
-    import inspect
 
     from posttrain.config import load_config
 
-    main = importlib.import_module(f"posttrain.stages.{args.stage}").main
-    wanted = ["config"] + [name for name, p in inspect.signature(main).parameters.items()
-                           if p.kind is p.KEYWORD_ONLY]
+    wanted = ["config"] + stage_flags(args.stage)  # from the source: a wrong flag costs no torch import
     where = f"posttrain stage {args.stage}"
     flags = args.flags
     if len(flags) % 2 or not all(f.startswith("--") for f in flags[::2]):
@@ -126,10 +124,23 @@ def run_stage(args) -> None:
         raise UserError(where, problem, f"it takes {', '.join('--' + w.replace('_', '-') for w in wanted)}")
     config_path = kwargs.pop("config")
     config = load_config(config_path, check_trl=False)
+    main = importlib.import_module(f"posttrain.stages.{args.stage}").main
     if args.stage == "grpo" and kwargs["name"] not in config.grpo:
         raise UserError(f"{where} --name", f"no GRPO stage {kwargs['name']!r} in {config_path}",
                         f"use one of {list(config.grpo)}")
     print(json.dumps(main(config, **kwargs), indent=2, sort_keys=True))
+
+
+def stage_flags(stage: str) -> list[str]:
+    """The keyword-only parameters of `posttrain/stages/<stage>.py`'s `main`, read from its
+    source (importing a stage imports torch and TRL: seconds)."""
+    import ast
+    import importlib.util
+
+    source = importlib.util.find_spec(f"posttrain.stages.{stage}").origin
+    tree = ast.parse(Path(source).read_text())
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    return [arg.arg for arg in main.args.kwonlyargs]
 
 
 def print_kv(args) -> None:
