@@ -71,6 +71,8 @@ def run_workspace(args) -> None:
     with lock(workdir, log=lambda message: print(message, file=sys.stderr, flush=True)):
         if args.config:
             workspace.prepare(workdir, read_config_dict(Path(args.config)))
+        workdir = os.path.abspath(workdir)
+        os.chdir(workdir)  # from here on, the config's paths and imports (custom/) are the workspace's
         check_pending(workdir, load_config(os.path.join(workdir, PARAMS_FILE)))  # bad rows: exit 2 here
         from flows import ephemeral_api
         from flows.retrain import retrain

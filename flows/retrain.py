@@ -9,6 +9,7 @@ the record of what it did.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -37,6 +38,7 @@ def retrain(workdir: str = ".") -> dict:
     """
     logger = get_run_logger()
     workdir = str(Path(workdir).resolve())
+    os.chdir(workdir)  # what the config names by path or import (custom/) is the workspace's, as in its stages
     with lock(workdir, log=logger.warning):
         config = load_config(Path(workdir) / PARAMS_FILE)
         uri = tracking_uri(config, workdir)

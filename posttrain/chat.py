@@ -54,8 +54,15 @@ def sft_rows(rows: list[dict]) -> list[dict]:
 
 
 def grpo_rows(rows: list[dict]) -> list[dict]:
-    """TRL's prompt-only rows (and the answer the rewards read)."""
-    return [{"prompt": r.get("messages", r["prompt"]), "answer": r["answer"]} for r in rows]
+    """TRL's prompt-only rows with every other column (`answer`, and whatever else the
+    environment's rows carry): TRL passes them to the reward functions by name."""
+    return [{**reward_columns(r), "prompt": r.get("messages", r["prompt"])} for r in rows]
+
+
+def reward_columns(row: dict) -> dict:
+    """What a reward function gets of a row besides the completion: every column but the
+    prompt, its conversation and the SFT target."""
+    return {k: v for k, v in row.items() if k not in ("prompt", "messages", "completion")}
 
 
 def completion_texts(completions: list) -> list[str]:

@@ -390,14 +390,35 @@ def _check_env(path: Path, config: PipelineConfig) -> tuple[Any, dict[str, list[
 
     try:
         env = get_env(config.data.env, **config.data.options)
-        return env, env.generate(config.seed)  # new data only adds to the training split
+        splits = env.generate(config.seed)  # new data only adds to the training split
     except ValidationError as err:
-        known = sorted(options_schema(env_factory(config.data.env)).model_fields)
-        raise schema_error(str(path), err, ("data", "options"), known) from None
+        schema = options_schema(env_factory(config.data.env))
+        raise schema_error(str(path), err, ("data", "options"), sorted(schema.model_fields) if schema else None) from None
     except OptionError as err:
         raise UserError(f"{path}: data.options.{err.option}", err.problem, err.fix) from None
     except PluginError as err:
         raise UserError(f"{path}: data.env", err.problem, err.fix) from None
+    problem = splits_problem(splits)
+    if problem:
+        raise UserError(f"{path}: data.env", f"{show(config.data.env)}'s generate(seed) {problem}",
+                        "return {'train': [...], 'heldout': [...]}, rows with string prompt, completion and answer "
+                        "(posttrain/envs/base.py)")
+    return env, splits
+
+
+def splits_problem(splits) -> str | None:
+    """What is wrong with an environment's splits, or None."""
+    if not isinstance(splits, dict) or not {"train", "heldout"} <= splits.keys():
+        return f"returned a {type(splits).__name__} without 'train' and 'heldout'"
+    for name in ("train", "heldout"):
+        rows = splits[name]
+        if not isinstance(rows, list) or not rows:
+            return f"gave no {name} rows"
+        bad = next((r for r in rows if not isinstance(r, dict) or not all(
+            isinstance(r.get(k), str) for k in ("prompt", "completion", "answer"))), None)
+        if bad is not None:
+            return f"gave a {name} row without string prompt, completion and answer: {show(bad)}"
+    return None
 
 
 def _check_stop_when(path: Path, config: PipelineConfig, train_rows: int) -> None:
@@ -461,9 +482,14 @@ def _longest_rendered(config: PipelineConfig, system: str | None, rows: dict[str
 
     from posttrain.chat import render
 
-    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     longest = max((r for split in rows.values() for r in split), key=lambda r: len(r["prompt"]))
-    return len(render([longest], tokenizer, system)[0]["prompt"])
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        return len(render([longest], tokenizer, system)[0]["prompt"])
+    except Exception as err:  # the tokenizer's or its template's own reason (a system turn it refuses, ...)
+        raise UserError(f"{config.model.path}: chat template", f"cannot render a prompt: {type(err).__name__}: "
+                        f"{' '.join(str(err).split())[:200]}", "fix the template, drop data.options.system if the "
+                        "template refuses a system turn, or set data.chat: false") from None
 
 
 def model_shape(path: Path, config: PipelineConfig) -> tuple[int, int, int]:
@@ -634,6 +660,8 @@ TRL_BOUNDS = {
     "max_completion_length": {"ge": 1}, "num_generations": {"ge": 2}, "num_iterations": {"ge": 1},
     "temperature": {"gt": 0}, "top_p": {"gt": 0, "le": 1}, "top_k": {"ge": 0}, "beta": {"ge": 0},
     "seed": {"ge": 0, "le": SEED_MAX}, "data_seed": {"ge": 0, "le": SEED_MAX},
+    # peft.LoraConfig (schema built the same way)
+    "r": {"ge": 1}, "lora_alpha": {"gt": 0}, "lora_dropout": {"ge": 0, "lt": 1},
 }
 
 

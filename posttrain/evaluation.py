@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 
 from posttrain import stats
+from posttrain.chat import reward_columns
 from posttrain.generation import generate, load_policy
 from posttrain.metrics import mean_pass_at_k
 
@@ -76,8 +77,8 @@ def score(env, rows: list[dict], greedy: list[str], sampled: list[list[str]], *,
     n = len(sampled[0]) if sampled else 0
     verdicts = [env.verify(g, r["answer"]) for g, r in zip(greedy, rows)]
     correct = [sum(env.verify(c, r["answer"]) for c in outs) for outs, r in zip(sampled, rows)]
-    answers = [r["answer"] for r in rows]
-    rewards = {name: fn(greedy, answer=answers) for name, fn in (channels or {}).items()}
+    columns = {key: [r.get(key) for r in rows] for key in reward_columns(rows[0])} if rows else {}
+    rewards = {name: fn(greedy, **columns) for name, fn in (channels or {}).items()}
     samples = [{"prompt": r["prompt"], "completion": g, "answer": r["answer"],
                 **{f"reward.{name}": values[i] for name, values in rewards.items()},
                 "correct": ok, "sampled_correct": c}

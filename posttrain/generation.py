@@ -13,6 +13,14 @@ def load_policy(model_dir: str):
     return model, tokenizer
 
 
+def rendered_with_bos(tokenizer, prompts: list[str]) -> bool:
+    """Whether the prompts already begin with the tokenizer's BOS token: a chat template
+    that writes `{{ bos_token }}` (Llama 3, Gemma, Mistral) put it there, and tokenizing
+    with special tokens would add a second one (TRL's chat path adds none)."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return bool(bos and prompts and all(p.startswith(bos) for p in prompts))
+
+
 def generate(model, tokenizer, prompts: list[str], *, n: int, temperature: float,
              max_new_tokens: int, batch_size: int = 256, seed: int = 0) -> list[list[str]]:
     """`n` completions per prompt; temperature 0 means greedy (then n must be 1).
@@ -25,8 +33,10 @@ def generate(model, tokenizer, prompts: list[str], *, n: int, temperature: float
     sample = temperature > 0
     out: list[list[str]] = []
     step = max(1, batch_size // n)
+    special = not rendered_with_bos(tokenizer, prompts)
     for start in range(0, len(prompts), step):
-        batch = tokenizer(prompts[start:start + step], return_tensors="pt", padding=True).to(model.device)
+        batch = tokenizer(prompts[start:start + step], return_tensors="pt", padding=True,
+                          add_special_tokens=special).to(model.device)
         with torch.inference_mode():
             ids = model.generate(
                 **batch, do_sample=sample, temperature=temperature if sample else None,

@@ -79,7 +79,7 @@ def create(dest: str | Path, config: dict, *, remote: str | Path | None = None) 
     copy_code(dest)
     (dest / "datasets").mkdir()
     shutil.copy(TEMPLATE / "datasets_README.md", dest / "datasets" / "README.md")  # batches are its own
-    (dest / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    (dest / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(pin_model_path(config), sort_keys=False))
     dvc = [tool_path("dvc")]  # the venv's dvc, even when the venv is not on PATH
     _git("init", "-q", "-b", "main", cwd=dest)
     for args in (["init", "-q"], ["config", "core.analytics", "false"],
@@ -104,17 +104,27 @@ def copy_code(dest: Path) -> None:
 
 
 def copy_custom(dest: Path) -> None:
-    """`custom/` of the current folder into `dest` (a DVC dependency of the stages: it must
-    exist); one holding only its README when the current folder has none."""
-    source = Path.cwd() / CUSTOM_DIR
-    if source.resolve() == (dest / CUSTOM_DIR).resolve():
+    """`custom/` of the current folder replaces `dest`'s (a DVC dependency of the stages:
+    it must exist). Without one here, `dest`'s is left as it is, or made holding only its
+    README."""
+    source, target = Path.cwd() / CUSTOM_DIR, dest / CUSTOM_DIR
+    if source.resolve() == target.resolve():
         return
-    shutil.rmtree(dest / CUSTOM_DIR, ignore_errors=True)
     if source.is_dir():
-        shutil.copytree(source, dest / CUSTOM_DIR, ignore=shutil.ignore_patterns("__pycache__"))
-    else:
-        (dest / CUSTOM_DIR).mkdir()
-        shutil.copy(TEMPLATE / "custom_README.md", dest / CUSTOM_DIR / "README.md")
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+    elif not target.is_dir():
+        target.mkdir()
+        (target / "README.md").write_text((TEMPLATE / "custom_README.md").read_text())
+
+
+def pin_model_path(config: dict) -> dict:
+    """The config with a relative `model.path` made absolute from the current folder,
+    where `posttrain check` found it: the workspace's stages run elsewhere."""
+    path = (config.get("model") or {}).get("path")
+    if isinstance(path, str) and path and not Path(path).is_absolute():
+        return {**config, "model": {**config["model"], "path": str(Path(path).resolve())}}
+    return config
 
 
 def prepare(workdir: str | Path, config: dict) -> Path:
@@ -126,7 +136,7 @@ def prepare(workdir: str | Path, config: dict) -> Path:
     copy_code(workdir)
     (workdir / "datasets").mkdir(exist_ok=True)  # workspaces from before new data was versioned
     shutil.copy(TEMPLATE / "datasets_README.md", workdir / "datasets" / "README.md")
-    (workdir / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    (workdir / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(pin_model_path(config), sort_keys=False))
     # commit what changed, so the run's git commit names its code and config (replay)
     _git("add", "dvc.yaml", "posttrain", CUSTOM_DIR, "configs", "datasets/README.md", cwd=workdir)
     staged = subprocess.run(["git", "diff", "--cached", "--quiet"], cwd=workdir)

@@ -59,6 +59,19 @@ def make_env(**options):
 
 def not_an_env(**options):
     return {"prompt": "?"}
+
+
+class NoSplits(Words):
+    def generate(self, seed):
+        return [{"prompt": "1 plus 1?"}]
+
+
+def validated(level: int = 1):
+    from pydantic import BaseModel, PositiveInt
+    class Check(BaseModel):
+        level: PositiveInt
+    Check(level=level)                    # its own pydantic check, no Options schema
+    return Words()
 '''
 
 REWARDS = '''
@@ -135,6 +148,8 @@ def test_rewards_and_guardrails_by_import_path(project):
     ({"data": {"env": "custom.words:not_an_env"}}, ["data.env", "returned a dict", "generate"]),
     ({"data": {"env": "custom.rewards:WEIGHT"}}, ["data.env", "not a class or function"]),
     ({"data": {"env": "wordz"}}, ["data.env", "unknown environment 'wordz'", "arithmetic"]),
+    ({"data": {"env": "custom.words:NoSplits"}}, ["data.env", "generate(seed) returned a list without 'train'"]),
+    ({"data": {"env": "custom.words:validated", "options": {"level": -1}}}, ["data.options.level", "greater than 0"]),
     ({"data": {"env": "custom.words:make_env", "options": {"operand_maximum": 3}}},
      ["data.options", "operand_maximum", "operand_max"]),
     ({"grpo": {"dense": {"rewards": {"custom.rewards:brevty": 1.0}}}}, ["grpo.dense.rewards", "brevity"]),
@@ -153,6 +168,30 @@ def test_a_name_that_does_not_load_is_refused_in_one_line(project, override, nee
         done = cli(command, "--config", path, *(["--workdir", project / "ws"] if command == "run" else []), cwd=project)
         assert_refused(done, str(path), *needles)
     assert_nothing_left(project, before)
+
+
+def test_a_workspace_keeps_its_custom_code_when_the_current_folder_has_none(project, tmp_path_factory):
+    from posttrain import workspace
+
+    ws = tmp_path_factory.mktemp("ws")
+    (ws / "custom").mkdir()
+    (ws / "custom" / "mine.py").write_text("X = 1\n")
+    elsewhere = tmp_path_factory.mktemp("elsewhere")     # no custom/ here
+    import os
+    os.chdir(elsewhere)
+    workspace.copy_custom(ws)
+    assert (ws / "custom" / "mine.py").read_text() == "X = 1\n"
+    os.chdir(project)                                     # this one has: it replaces the workspace's
+    workspace.copy_custom(ws)
+    assert sorted(p.name for p in (ws / "custom").iterdir()) == ["rewards.py", "words.py"]
+
+
+def test_a_relative_model_path_is_pinned_where_it_was_checked(project):
+    from posttrain.workspace import pin_model_path
+
+    assert pin_model_path({"model": {"path": "models/m"}})["model"]["path"] == str(project / "models" / "m")
+    assert pin_model_path({"model": {"path": "/abs/m"}})["model"]["path"] == "/abs/m"
+    assert pin_model_path({"seed": 1}) == {"seed": 1}
 
 
 # --- through DVC -------------------------------------------------------------------------

@@ -65,10 +65,40 @@ OPTIONS = {"train": "custom/train.jsonl", "heldout": "custom/heldout.jsonl", "ve
     ("regex", {}, "order-12", r"order-\d{4}", False),
     ("exact", {"answer_pattern": "<answer>(.*?)</answer>"}, "<think>hm</think><answer>42</answer>", "42", True),
     ("exact", {"answer_pattern": "<answer>(.*?)</answer>"}, "42", "42", False),  # the format is the contract
+    ("numeric", {}, "1e999", "2e999", False),                      # not finite: not a number
+    ("regex", {}, "1" * 40 + "x", r"(\d+,?)+$", False),           # catastrophic backtracking: cut at 1 s
 ])
 def test_verifiers(project, verifier, extra, completion, answer, right):
     env = get_env("dataset", **{**OPTIONS, "verifier": verifier, **extra})
     assert env.verify(completion, answer) is right
+
+
+def test_a_verifier_on_hostile_output_is_bounded(project):
+    import time
+
+    env = get_env("dataset", **{**OPTIONS, "verifier": "regex"})
+    started = time.monotonic()
+    assert not env.verify("1" * 5000 + "x", r"(\d+,?)+$")
+    assert time.monotonic() - started < 5
+
+
+def test_the_files_other_columns_reach_the_rewards(project):
+    """A custom reward reading a column of the user's file, in GRPO's rows and in evaluation."""
+    from posttrain.chat import grpo_rows
+    from posttrain.evaluation import score
+
+    rows = [{**r, "difficulty": i % 3} for i, r in enumerate(math_rows(60, 0))]
+    write_jsonl(project / "custom" / "train.jsonl", rows)
+    env = get_env("dataset", **OPTIONS)
+    train = env.generate(0)["train"]
+    assert grpo_rows(train)[4] == {"prompt": rows[4]["question"], "answer": rows[4]["solution"], "difficulty": 1}
+
+    def harder_is_worth_more(completions, difficulty, answer, **_):
+        return [float(d) if env.verify(c, a) else 0.0 for c, d, a in zip(completions, difficulty, answer)]
+
+    result, samples = score(env, train[:3], [r["completion"] for r in train[:3]], [[r["completion"]] for r in train[:3]],
+                            ks=[1], resamples=10, seed=0, channels={"harder": harder_is_worth_more})
+    assert [s["reward.harder"] for s in samples] == [0.0, 1.0, 2.0]
 
 
 def test_the_files_become_the_splits(project):
@@ -106,6 +136,7 @@ def bad_configs(project) -> list[tuple[dict, list[str]]]:
                                                    "max_position_embeddings": 512}))
     (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))   # no chat template
     write_jsonl(project / "custom" / "nofield.jsonl", [{"q": "a", "solution": "1"}])
+    write_jsonl(project / "custom" / "mc.jsonl", [{"q": "a"}])    # no answer column
     write_jsonl(project / "custom" / "leak.jsonl", math_rows(20, 1, start=40)[:3])
     (project / "outside.jsonl").write_text("{}\n")
     # 60 training rows: no validation split carved for stop_when
@@ -123,6 +154,8 @@ def bad_configs(project) -> list[tuple[dict, list[str]]]:
         ({**data(), "sft": {"stop_when": None, "peft": {"lora_alhpa": 8}}}, ["sft.peft.lora_alhpa", "unknown LoraConfig option", "'lora_alpha'"]),
         ({**data(), "sft": {"stop_when": None, "peft": {"rank": 8}}}, ["sft.peft.rank", "'r'"]),
         ({**data(), "sft": {"stop_when": None, "peft": {"r": "eight"}}}, ["sft.peft"]),
+        ({**data(), "sft": {"stop_when": None, "peft": {"r": 0}}}, ["sft.peft.r", "greater than or equal to 1"]),
+        (data(verifier="choice", train="custom/mc.jsonl", prompt_field="q", answer_field="a"), ["data.options", "mc.jsonl"]),
     ]
 
 
@@ -139,12 +172,29 @@ def test_bad_dataset_chat_and_lora_settings_are_refused_in_one_line(project):
         assert_nothing_left(project, before)
 
 
+def test_a_chat_template_that_fails_is_one_line(project):
+    model = build_chat_model(project / "chat-model", ["What is 1 + 1?"] * 20, vocab_size=300)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config["chat_template"] = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                               "supported') }}{% endif %}{{ messages[0]['content'] }}")
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    path = project / "configs" / "chat.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump({"extends": str(REPO / "configs" / "pipeline.yaml"), "model": {"path": str(model)},
+                                    "sft": {"stop_when": None},
+                                    "data": {"env": "dataset", "chat": True, "options": {**OPTIONS, "system": "Be brief."}}}))
+    assert_refused(cli("check", "--config", path, cwd=project), "chat template", "System role not supported",
+                   "drop data.options.system")
+
+
 def test_incoming_rows_are_checked_by_the_dataset_verifier(project):
     from posttrain.ingest import check_row
 
     env = get_env("dataset", **{**OPTIONS, "verifier": "choice"})
     assert check_row(env, {"prompt": "Pick one", "answer": "B"}, set()) is None
     assert "'E'" in check_row(env, {"prompt": "Pick one", "answer": "E"}, set())  # not a choice: refused
+    assert "not one of ABCD" in env.check_row({"prompt": "Pick one", "answer": "AB"})  # one letter, not a substring
     assert "not one of ABCD" in env.check_row({"prompt": "Pick one", "answer": "E"})
     assert "does not parse" in check_row(env, {"prompt": "Pick", "answer": "B", "completion": "I think B"}, set())
 

@@ -37,6 +37,16 @@ def load_into(llm, model_dir: str) -> None:
     llm.reset_prefix_cache()
 
 
+def engine_inputs(tokenizer, prompts: list[str]) -> list:
+    """The prompts as vLLM takes them: text, or token ids when a chat template already
+    wrote the BOS token (vLLM would add another, as transformers would)."""
+    from posttrain.generation import rendered_with_bos
+
+    if not rendered_with_bos(tokenizer, prompts):
+        return prompts
+    return [{"prompt_token_ids": tokenizer.encode(p, add_special_tokens=False)} for p in prompts]
+
+
 def sample(job: dict) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -61,9 +71,10 @@ def sample(job: dict) -> dict:
             gc.collect()
             llm = engine(model_dir)
         loaded = model_dir
+        inputs = engine_inputs(llm.get_tokenizer(), prompts)
         out[name] = {
-            "greedy": [o.outputs[0].text for o in llm.generate(prompts, greedy, use_tqdm=False)],
-            "sampled": [[c.text for c in o.outputs] for o in llm.generate(prompts, sampled, use_tqdm=False)],
+            "greedy": [o.outputs[0].text for o in llm.generate(inputs, greedy, use_tqdm=False)],
+            "sampled": [[c.text for c in o.outputs] for o in llm.generate(inputs, sampled, use_tqdm=False)],
         }
     return out
 

@@ -6,13 +6,15 @@
       options: {train: custom/train.jsonl, heldout: custom/heldout.jsonl, verifier: math}
 
 Paths are relative to the workspace and must lie in its `custom/` folder, a DVC
-dependency of every stage: editing a file reruns the pipeline (large files: `dvc add`
-them there). Verifiers:
+dependency of every stage, committed with the workspace: editing a file reruns the
+pipeline. Verifiers:
 - `exact`: the answer text equals the reference (after `strip`);
 - `numeric`: both read as numbers and agree within `tolerance` (absolute or relative);
 - `math`: HF's `math-verify`, the verifier open-r1 uses (`\\boxed{}`, fractions, LaTeX);
 - `choice`: one letter of `choices` (`B`, `(B)`, `B.` all read as `B`);
-- `regex`: the reference answer is a regular expression the answer must match whole.
+- `regex`: the reference answer is a regular expression the answer must match whole (at
+  most REGEX_TIMEOUT_S per match: model output cannot stall training by backtracking).
+Other columns of the files are kept and reach reward functions as keyword arguments.
 `answer_pattern` (a regex with one group, e.g. `<answer>(.*?)</answer>`) first cuts the
 answer out of the completion: the format contract the `unparseable` guardrail holds the
 model to; `format_pattern` (the whole completion) is what the `format` reward checks.
@@ -26,6 +28,7 @@ import threading
 from pathlib import Path
 from typing import Literal
 
+import regex
 from pydantic import Field, field_validator
 
 from posttrain.envs.base import EnvOptions
@@ -35,7 +38,8 @@ from posttrain.plugins import CUSTOM_DIR
 VERIFIERS = ("exact", "numeric", "math", "choice", "regex")
 _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
 _CHOICE = re.compile(r"\(?([A-Za-z])\)?[.:]?")
-MAX_ANSWER_CHARS = 10_000  # of a completion a verifier reads (a regex on model output stays bounded)
+MAX_ANSWER_CHARS = 10_000  # of a completion a verifier reads
+REGEX_TIMEOUT_S = 1.0      # per match of a reference regex against model output
 
 
 class DatasetOptions(EnvOptions):
@@ -115,22 +119,26 @@ class DatasetEnv:
         if not len(table):
             raise OptionError(option, f"{path} has no rows", "give a file with at least one row")
         completion = self.options.completion_field if self.options.completion_field in columns else None
+        mapped = {self.options.prompt_field, self.options.answer_field, completion}
         rows = []
         for i, row in enumerate(table):
             prompt, answer = row[self.options.prompt_field], row[self.options.answer_field]
             if not isinstance(prompt, str) or not prompt.strip() or answer is None or not str(answer).strip():
                 raise OptionError(option, f"{path} row {i + 1}: {self.options.prompt_field!r} and "
                                   f"{self.options.answer_field!r} must be non-empty", "fix or drop the row")
-            target = row[completion] if completion else str(answer)
-            rows.append({"prompt": prompt, "completion": str(target), "answer": str(answer).strip()})
+            target = row[completion] if completion and row[completion] is not None else str(answer)
+            extra = {k: v for k, v in row.items() if k not in mapped and k not in ("prompt", "completion", "answer",
+                                                                                   "messages")}
+            # the file's other columns reach reward functions by name (posttrain.chat.reward_columns)
+            rows.append({**extra, "prompt": prompt, "completion": str(target), "answer": str(answer).strip()})
         return rows
 
     def check_row(self, row: dict) -> str | None:
         """An incoming row's answer must be one this verifier can compare against."""
         answer = row["answer"].strip()
-        if self.verifier == "numeric" and not _NUMBER.fullmatch(answer.replace(",", "")):
+        if self.verifier == "numeric" and not _finite(answer):
             return f"answer {answer[:80]!r} is not a number (numeric verifier)"
-        if self.verifier == "choice" and answer.upper() not in self.options.choices:
+        if self.verifier == "choice" and (len(answer) != 1 or answer.upper() not in self.options.choices):
             return f"answer {answer[:80]!r} is not one of {self.options.choices} (choice verifier)"
         return None
 
@@ -147,18 +155,16 @@ class DatasetEnv:
     def format_ok(self, completion: str) -> bool:
         """The `format` reward: `format_pattern` matches the whole completion; without
         one, `answer_pattern` finds the answer."""
-        completion = completion[:MAX_ANSWER_CHARS].strip()
         if self._format is not None:
-            return self._format.fullmatch(completion) is not None
-        return self.extract(completion) is not None
+            return self._format.fullmatch(completion[:MAX_ANSWER_CHARS].strip()) is not None
+        return self.parse(completion) is not None
 
     def parse(self, completion: str) -> str | None:
         text = self.extract(completion)
         if not text:
             return None
         if self.verifier == "numeric":
-            number = _NUMBER.fullmatch(text.replace(",", ""))
-            return number.group(0) if number else None
+            return text.replace(",", "") if _finite(text) else None
         if self.verifier == "choice":
             letter = _CHOICE.fullmatch(text)
             return letter.group(1).upper() if letter and letter.group(1).upper() in self.options.choices else None
@@ -175,17 +181,22 @@ class DatasetEnv:
         if parsed is None:
             return False
         if self.verifier == "numeric":
-            expected = _NUMBER.fullmatch(answer.strip().replace(",", ""))
-            return bool(expected) and math.isclose(float(parsed), float(expected.group(0)),
-                                                   rel_tol=self.options.tolerance, abs_tol=self.options.tolerance)
+            return _finite(answer) and math.isclose(float(parsed), float(answer.strip().replace(",", "")),
+                                                    rel_tol=self.options.tolerance, abs_tol=self.options.tolerance)
         if self.verifier == "choice":
             return parsed == answer.strip().upper()
-        if self.verifier == "regex":
+        if self.verifier == "regex":  # the `regex` module: a time limit on backtracking over model output
             try:
-                return re.fullmatch(answer, parsed) is not None
-            except re.error:
+                return regex.fullmatch(answer, parsed, timeout=REGEX_TIMEOUT_S) is not None
+            except (regex.error, TimeoutError):
                 return False
         return parsed == answer.strip()
+
+
+def _finite(text: str) -> bool:
+    """A plain number (commas as thousands separators allowed) that is finite as a float."""
+    text = text.strip().replace(",", "")
+    return bool(_NUMBER.fullmatch(text)) and math.isfinite(float(text))
 
 
 def _load(kind: str, path: Path, option: str):
