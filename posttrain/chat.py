@@ -11,6 +11,7 @@ completion text either way (`completion_texts`).
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -29,6 +30,15 @@ def chat_template(model_dir: str | Path) -> str | None:
             return None
         return template or None
     return None
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(model_dir: str):
+    """The model's tokenizer, loaded once per process (the config check and the prepare
+    stage both render with it)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def conversation(prompt: str, system: str | None) -> list[dict]:

@@ -478,13 +478,11 @@ def _check_chat(path: Path, config: PipelineConfig) -> bool:
 def _longest_rendered(config: PipelineConfig, system: str | None, rows: dict[str, list[dict]]) -> int:
     """Characters of the longest prompt once the chat template wraps it (an upper bound
     of its tokens, as for plain prompts)."""
-    from transformers import AutoTokenizer
-
-    from posttrain.chat import render
+    from posttrain.chat import load_tokenizer, render
 
     longest = max((r for split in rows.values() for r in split), key=lambda r: len(r["prompt"]))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        tokenizer = load_tokenizer(str(Path(config.model.path).resolve()))
         return len(render([longest], tokenizer, system)[0]["prompt"])
     except Exception as err:  # the tokenizer's or its template's own reason (a system turn it refuses, ...)
         raise UserError(f"{config.model.path}: chat template", f"cannot render a prompt: {type(err).__name__}: "
@@ -665,7 +663,6 @@ TRL_BOUNDS = {
 }
 
 
-@functools.cache
 def _plain(hint):
     """`hint`, or Any where it names a nested config dataclass (peft's ArrowConfig, ...):
     the library checks those itself."""
@@ -674,6 +671,7 @@ def _plain(hint):
     return Any if nested(hint) else hint
 
 
+@functools.cache
 def trl_schema(cls) -> type[BaseModel]:
     """A pydantic model of `cls`'s options from TRL's (or peft's) own annotations, strict (YAML reads
     `1e-3` as a string: it must not reach the optimizer) and bounded by TRL_BOUNDS."""

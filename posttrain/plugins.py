@@ -72,6 +72,21 @@ def load_import_path(path: str):
     return obj
 
 
+def lookup(name: str, registry: dict, what: str, example: str, group: str | None = None):
+    """`registry[name]`, else the object an import path names, else the entry point an
+    installed package registered as `name` in `group`; PluginError listing the known
+    names (`example`: the import path's form) when none of them has it."""
+    if name in registry:
+        return registry[name]
+    if is_import_path(name):
+        return load_import_path(name)
+    found = entry_point(group, name) if group else None
+    if found is None:
+        known = sorted(registry) + (entry_point_names(group) if group else [])
+        raise PluginError(f"unknown {what} {show(name)}", f"use one of {known}, or an import path {example}")
+    return found
+
+
 def entry_point(group: str, name: str):
     """The object an installed package registered as `name` in entry-point `group`, or
     None when none did."""

@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple
 
 from posttrain.chat import completion_texts
 from posttrain.envs.base import Environment
-from posttrain.plugins import PluginError, is_import_path, load_import_path
+from posttrain.plugins import PluginError, lookup
 from posttrain.yamlfile import show
 
 RewardFn = Callable[..., list[float]]
@@ -138,12 +138,7 @@ GUARDRAILS: dict[str, Callable[[Environment], GuardFn]] = {"unparseable": unpars
 def _by_name(name: str, registry: dict, what: str, signature: str):
     """`registry[name]`, else the function (or Channel) an import path names; PluginError
     (one line, with the fix) otherwise."""
-    if name in registry:
-        return registry[name]
-    if not is_import_path(name):
-        raise PluginError(f"unknown {what} {show(name)}",
-                          f"use one of {sorted(registry)}, or an import path package.module:function")
-    found = load_import_path(name)
+    found = lookup(name, registry, what, "package.module:function")
     if not (callable(found) or isinstance(found, Channel)):
         raise PluginError(f"{show(name)} is a {type(found).__name__}, not a function", f"name a {what} {signature}")
     return found
@@ -171,7 +166,25 @@ def curve_name(name: str) -> str:
     return name.replace(":", ".")
 
 
-def guarded(name: str, channel: Channel, env: Environment, guards: dict[str, GuardFn], log: bool) -> RewardFn:
+class GuardHits:
+    """The guardrails' verdicts on one batch, computed once for all the stage's channels:
+    TRL (and the evaluate stage) call every channel with the same completions and columns
+    objects, so the last batch is recognised by identity (held, so its ids stay its own)."""
+
+    def __init__(self, guards: dict[str, GuardFn]):
+        self.guards, self.batch, self.hits = guards, None, {}
+
+    def __call__(self, completions, columns: dict) -> dict[str, list[bool]]:
+        batch = (completions, columns)
+        if self.batch is None or self.batch[0] is not completions or self.batch[1].keys() != columns.keys() \
+                or any(self.batch[1][k] is not v for k, v in columns.items()):
+            texts = completion_texts(completions)
+            self.hits = {name: guard(texts, **columns) for name, guard in self.guards.items()}
+            self.batch = batch
+        return self.hits
+
+
+def guarded(name: str, channel: Channel, env: Environment, guards: GuardHits, log: bool) -> RewardFn:
     """The channel, with every completion that breaks a guardrail pinned to its minimum.
 
     `log`: whether this wrapper reports the guardrails' hit rates (one channel does).
@@ -179,14 +192,13 @@ def guarded(name: str, channel: Channel, env: Environment, guards: dict[str, Gua
     score = channel.make(env)
 
     def reward(completions, **columns):
+        hits = guards(completions, columns)
         completions = completion_texts(completions)  # TRL passes messages for conversational prompts
         values = score(completions, **columns)
-        broken = [False] * len(completions)
-        for guard_name, guard in guards.items():
-            hits = guard(completions, **columns)
-            broken = [b or h for b, h in zip(broken, hits)]
-            if log and "log_metric" in columns:
-                columns["log_metric"](f"guardrails/{curve_name(guard_name)}/hit_rate", sum(hits) / max(1, len(hits)))
+        broken = [any(flags) for flags in zip(*hits.values())] if hits else [False] * len(completions)
+        if log and "log_metric" in columns:
+            for guard_name, flags in hits.items():
+                columns["log_metric"](f"guardrails/{curve_name(guard_name)}/hit_rate", sum(flags) / max(1, len(flags)))
         return [channel.low if b else v for b, v in zip(broken, values)]
 
     reward.__name__ = curve_name(name)  # TRL names the logged curve after the function
@@ -197,6 +209,6 @@ def build_rewards(env: Environment, channels: dict[str, float] | list[str],
                   guardrails: list[str] = ()) -> tuple[list[RewardFn], list[float]]:
     """The stage's reward functions and weights, in config order, guardrails applied."""
     weights = channels if isinstance(channels, dict) else {name: 1.0 for name in channels}
-    guards = {name: guardrail(name)(env) for name in guardrails}
+    guards = GuardHits({name: guardrail(name)(env) for name in guardrails})
     funcs = [guarded(name, reward_channel(name), env, guards, log=(i == 0)) for i, name in enumerate(weights)]
     return funcs, [float(w) for w in weights.values()]

@@ -61,15 +61,14 @@ def record_results(run_id: str, workdir: str, uri: str, results: dict) -> dict[s
     """The stages' results on the parent run: every metric, the gates' verdicts and
     dvc.lock's hashes as tags, dvc.lock itself, and the per-prompt outcomes that paired
     tests against this run read (promotion now, `posttrain compare` later)."""
-    from mlflow.entities import Metric
+    from mlflow.entities import Metric, RunTag
 
     mlflow = client(uri)
-    for key, value in {**dvc_lock_hashes(workdir), **gate_tags(results)}.items():
-        mlflow.set_tag(run_id, key, value)
     metrics = run_metrics(results)
     now = int(time.time() * 1000)
-    items = [Metric(k, v, now, 0) for k, v in metrics.items()]
-    mlflow.log_batch(run_id, metrics=items)
+    tags = {**dvc_lock_hashes(workdir), **gate_tags(results)}
+    mlflow.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
+                     tags=[RunTag(k, v) for k, v in tags.items()])
     mlflow.log_artifact(run_id, str(Path(workdir) / "dvc.lock"))
     if (Path(workdir) / OUTCOMES_ARTIFACT).is_file():
         mlflow.log_artifact(run_id, str(Path(workdir) / OUTCOMES_ARTIFACT), str(Path(OUTCOMES_ARTIFACT).parent))

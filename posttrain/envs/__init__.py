@@ -18,7 +18,7 @@ from posttrain.envs.arithmetic import ArithmeticEnv
 from posttrain.envs.base import EnvOptions, Environment, missing_methods
 from posttrain.envs.dataset import DatasetEnv
 from posttrain.envs.sql import SQLEnv
-from posttrain.plugins import PluginError, entry_point, entry_point_names, is_import_path, load_import_path
+from posttrain.plugins import PluginError, lookup
 from posttrain.yamlfile import show
 
 ENVIRONMENTS: dict[str, type] = {"arithmetic": ArithmeticEnv, "sql": SQLEnv, "dataset": DatasetEnv}
@@ -28,16 +28,8 @@ ENTRY_POINT_GROUP = "posttrain.envs"
 def env_factory(name: str):
     """What `data.env` names: a built-in, an installed entry point, or an import path.
     PluginError (one line, with the fix) when it names nothing that loads."""
-    if name in ENVIRONMENTS:
-        return ENVIRONMENTS[name]
-    if is_import_path(name):
-        return load_import_path(name)
-    factory = entry_point(ENTRY_POINT_GROUP, name)
-    if factory is None:
-        known = sorted(ENVIRONMENTS) + entry_point_names(ENTRY_POINT_GROUP)
-        raise PluginError(f"unknown environment {show(name)}",
-                          f"use one of {known}, or an import path package.module:factory (e.g. custom.mytask:make_env)")
-    return factory
+    return lookup(name, ENVIRONMENTS, "environment", "package.module:factory (e.g. custom.mytask:make_env)",
+                  group=ENTRY_POINT_GROUP)
 
 
 def options_schema(factory) -> type[BaseModel] | None:

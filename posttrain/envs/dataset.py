@@ -22,6 +22,7 @@ model to; `format_pattern` (the whole completion) is what the `format` reward ch
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import threading
@@ -109,7 +110,8 @@ class DatasetEnv:
         kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix)
         if kind is None:
             raise OptionError(option, f"{path} is neither JSON lines nor Parquet", "use a .jsonl or .parquet file")
-        table = _load(kind, path, option)
+        stat = path.stat()
+        table = _load(kind, str(path.resolve()), stat.st_mtime_ns, stat.st_size, option)
         columns = set(table.column_names)
         for field in ("prompt_field", "answer_field"):
             wanted = getattr(self.options, field)
@@ -199,7 +201,10 @@ def _finite(text: str) -> bool:
     return bool(_NUMBER.fullmatch(text)) and math.isfinite(float(text))
 
 
-def _load(kind: str, path: Path, option: str):
+@functools.lru_cache(maxsize=8)
+def _load(kind: str, path: str, mtime_ns: int, size: int, option: str):
+    """The file as a `datasets` table; read once per process while it is unchanged (the
+    config check and the stage both build the environment)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -222,10 +227,16 @@ def _math_parse(text: str) -> list:
     return parse(text, **_timeouts())
 
 
+@functools.lru_cache(maxsize=65536)
+def _math_gold(answer: str) -> tuple:
+    """A reference answer parsed once: every sample of a prompt is verified against it."""
+    return tuple(_math_parse(answer if "$" in answer or "\\" in answer else f"${answer}$"))
+
+
 def _math_verify(answer: str, text: str) -> bool:
     from math_verify import verify
 
-    gold = _math_parse(answer if "$" in answer or "\\" in answer else f"${answer}$")
+    gold = list(_math_gold(answer))
     guess = _math_parse(text)
     if not gold or not guess:
         return False

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import mlflow
 
-from posttrain.chat import render
+from posttrain.chat import load_tokenizer, render
 from posttrain.envs import get_env
 from posttrain.files import write_json, write_jsonl
 from posttrain.ingest import extra_rows
@@ -41,9 +41,7 @@ def main(config, *, data_dir: str, datasets_dir: str, model_dir: str, metrics_pa
 
 
 def chat_splits(config, env, splits: dict[str, list[dict]]) -> dict[str, list[dict]]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(Path(config.model.path).resolve()))
+    tokenizer = load_tokenizer(str(Path(config.model.path).resolve()))
     return {name: render(rows, tokenizer, getattr(env, "system", None)) for name, rows in splits.items()}
 
 
