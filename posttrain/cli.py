@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from posttrain.errors import GateFailure, ReplayError, UserError
+from posttrain.errors import GateFailure, ReplayError, TrainingFailed, UserError
 from posttrain.profiles import PACKAGED as PACKAGED_PROFILES
 from posttrain.redact import redact_text
 
@@ -41,11 +41,19 @@ def build_parser(add_commands=None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     check = sub.add_parser("check", help="validate a config and exit")
     check.add_argument("--config", required=True)
+    check.add_argument("--elsewhere", action="store_true", help="for another machine (a GPU cluster): leave out "
+                       "the checks of this machine's GPUs, installed versions and servers")
     stage = sub.add_parser("stage", help="run one pipeline stage (dvc.yaml calls this)",
                            description="posttrain stage NAME --config FILE --PATH-FLAG VALUE ...: the path flags "
                                        "are the stage's `main` keyword arguments (dvc.yaml passes them)")
     stage.add_argument("stage", choices=STAGES)
     stage.add_argument("flags", nargs=argparse.REMAINDER, help="--config FILE --data-dir data ... (see dvc.yaml)")
+    join = sub.add_parser("join", help="take part in a multi-node training stage from another node",
+                          description="Run this node's processes of the next launch of STAGE (launcher.nodes > 1); "
+                                      "node 0 is the one that runs `posttrain stage` (via posttrain run or dvc repro).")
+    join.add_argument("--config", required=True)
+    join.add_argument("--stage", required=True, help="sft or grpo@NAME")
+    join.add_argument("--node-rank", type=int, required=True, help="this node's rank, 1 .. launcher.nodes-1")
     if add_commands:
         add_commands(sub)
     add_kv_parser(sub)
@@ -82,8 +90,10 @@ def dispatch(args) -> int:
     from posttrain.config import load_config
 
     if args.command == "check":
-        load_config(args.config)
-        print(f"{args.config}: ok")
+        load_config(args.config, here=not args.elsewhere)
+        print(f"{args.config}: ok{' (this machine not checked)' if args.elsewhere else ''}")
+    elif args.command == "join":
+        return join_stage(args)
     elif args.command == "stage":
         run_stage(args)
     elif args.command == "compare":
@@ -129,6 +139,22 @@ def run_stage(args) -> None:
         raise UserError(f"{where} --name", f"no GRPO stage {kwargs['name']!r} in {config_path}",
                         f"use one of {list(config.grpo)}")
     print(json.dumps(main(config, **kwargs), indent=2, sort_keys=True))
+
+
+def join_stage(args) -> int:
+    """`posttrain join`: this node's ranks of the stage's next launched training job."""
+    from posttrain.config import load_config
+    from posttrain.launch import join
+
+    config = load_config(args.config, check_trl=False)
+    names = ["sft", *(f"grpo@{name}" for name in config.grpo)]
+    if args.stage not in names:
+        raise UserError("posttrain join --stage", f"no training stage {args.stage!r} in {args.config}",
+                        f"use one of {names}")
+    code = join(config, args.stage, args.node_rank, where="posttrain join")
+    if code != 0:
+        raise TrainingFailed(f"join {args.stage}: node {args.node_rank}'s launcher exited with code {code}")
+    return 0
 
 
 def stage_flags(stage: str) -> list[str]:
@@ -202,6 +228,8 @@ def main(argv: list[str] | None = None, *, parser: argparse.ArgumentParser | Non
         return refuse("gate failed", err, 3)
     except ReplayError as err:
         return refuse("replay failed", err, 4)
+    except TrainingFailed as err:
+        return refuse("training failed", err, 1)
 
 
 def refuse(kind: str, err: Exception, code: int) -> int:

@@ -82,12 +82,55 @@ class StopWhen(Section):
                                                          "SFT trains on the rest.")
 
 
+RDZV_ENV = "POSTTRAIN_RDZV_ENDPOINT"  # a multi-node job's rendezvous, when the config names none
+
+
+class LauncherSection(Section):
+    """How a training stage trains: in the stage's own process, or under `torchrun` /
+    `accelerate launch` on several processes and nodes (posttrain/launch.py). Every rank
+    trains; only the main one writes outputs, metrics and MLflow records. Data parallel:
+    a step's batch is `per_device_train_batch_size` x processes x nodes."""
+    type: Literal["in_process", "torchrun", "accelerate"] = Field(
+        "in_process", description="in_process (one process), torchrun (DDP; gloo without CUDA) or accelerate "
+                                  "(accelerate launch with `accelerate_config`: DDP, DeepSpeed ZeRO, FSDP).")
+    processes: int = Field(1, ge=1, le=1024, description="Processes per node (one per GPU).")
+    nodes: int = Field(1, ge=1, le=1024, description="Nodes; the others join with `posttrain join`.")
+    accelerate_config: str | None = Field(None, description="accelerate config file (infra/accelerate/*.yaml) "
+                                                            "for type accelerate; relative to the workspace.")
+    rdzv_endpoint: str | None = Field(None, description="HOST:PORT of node 0 for nodes > 1; null: the "
+                                                        f"environment's {RDZV_ENV}.")
+    rdzv_timeout_s: int = Field(1800, ge=10, description="For nodes > 1: how long node 0 and the joining nodes "
+                                                          "wait for each other before the stage fails.")
+
+    @model_validator(mode="after")
+    def _a_consistent_launch(self):
+        if self.type == "in_process" and (self.processes, self.nodes) != (1, 1):
+            raise invalid(f"type in_process runs one process, not {self.processes} x {self.nodes} nodes",
+                          "set type: torchrun (or accelerate) for several processes")
+        if self.accelerate_config is not None and self.type != "accelerate":
+            raise invalid(f"accelerate_config is read by `accelerate launch` only, not by type {self.type}",
+                          "set type: accelerate, or remove accelerate_config")
+        if self.type == "accelerate" and self.accelerate_config is None:
+            raise invalid("type accelerate needs an accelerate config file",
+                          "set accelerate_config, e.g. infra/accelerate/ddp.yaml")
+        return self
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _a_host_and_port(cls, endpoint):
+        if endpoint is not None and not re.fullmatch(r"[A-Za-z0-9_.\-\[\]:]+:\d{1,5}", endpoint):
+            raise invalid(f"{show(endpoint)} is not HOST:PORT", "write e.g. node0.cluster:29500")
+        return endpoint
+
+
 class SFTSection(Section):
     trl: dict[str, Any] = Field(default_factory=dict, description="Passed to trl.SFTConfig unchanged.")
     peft: dict[str, Any] | None = Field(None, description="LoRA: options of peft.LoraConfig (r, lora_alpha, "
                                        "target_modules, ...); the stage outputs the merged model and the adapter.")
     stop_when: StopWhen | None = Field(None, description="Stop on a validation target; null trains for the "
                                                          "whole `trl:` schedule.")
+    launcher: LauncherSection | None = Field(None, description="How this stage trains; null: the pipeline's "
+                                                               "`launcher`.")
 
 
 class PassRateFilter(Section):
@@ -122,6 +165,8 @@ class GRPOStage(Section):
     trl: dict[str, Any] = Field(default_factory=dict, description="Passed to trl.GRPOConfig unchanged.")
     peft: dict[str, Any] | None = Field(None, description="LoRA: options of peft.LoraConfig (r, lora_alpha, "
                                        "target_modules, ...); the stage outputs the merged model and the adapter.")
+    launcher: LauncherSection | None = Field(None, description="How this stage trains; null: the pipeline's "
+                                                               "`launcher`.")
 
 
 class GateSection(Section):
@@ -274,6 +319,7 @@ class PipelineConfig(Section):
     seed: int = Field(0, ge=0, le=SEED_MAX, description="Seed for data, model init, training and sampling.")
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
+    launcher: LauncherSection = LauncherSection()
     sft: SFTSection = SFTSection()
     grpo: dict[str, GRPOStage] = Field(..., min_length=1, description="GRPO stages by name, run in order.")
     gate: GateSection = GateSection()
@@ -283,6 +329,11 @@ class PipelineConfig(Section):
     stats: StatsSection = StatsSection()
     tracking: TrackingSection = TrackingSection()
     orchestration: OrchestrationSection = OrchestrationSection()
+
+    def stage_launcher(self, stage: str) -> LauncherSection:
+        """How training stage `stage` (`sft` or `grpo@NAME`) trains: its own `launcher`, else the pipeline's."""
+        own = self.sft.launcher if stage == "sft" else self.grpo[stage.split("@", 1)[1]].launcher
+        return own or self.launcher
 
     @field_validator("grpo")
     @classmethod
@@ -343,8 +394,9 @@ def _deep_merge(base: dict, override: dict) -> dict:
     return merged
 
 
-def load_config(path: str | Path, *, check_trl: bool = True) -> PipelineConfig:
-    """Read, merge, and validate a pipeline config; raises `UserError` on any problem."""
+def load_config(path: str | Path, *, check_trl: bool = True, here: bool = True) -> PipelineConfig:
+    """Read, merge, and validate a pipeline config; raises `UserError` on any problem.
+    `here`: also whether this machine can run its training (posttrain.machine)."""
     path = Path(path)
     raw = read_config_dict(path)
     try:
@@ -354,6 +406,9 @@ def load_config(path: str | Path, *, check_trl: bool = True) -> PipelineConfig:
     _check_semantics(path, config)
     if check_trl:
         check_trl_blocks(path, config)
+    from posttrain import machine
+
+    machine.check(path, config, here=here)
     return config
 
 

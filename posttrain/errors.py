@@ -28,6 +28,11 @@ class ReplayError(RuntimeError):
     that differ: the CLI prints the one-line reason and exits 4."""
 
 
+class TrainingFailed(RuntimeError):
+    """A launched training job failed (posttrain.launch): a rank raised, or was killed. The
+    CLI prints the one-line reason and exits 1; the launcher has ended the other ranks."""
+
+
 class OptionError(ValueError):
     """An environment option that passed its schema but cannot be used where it points
     (a `db_dir` that cannot be created): the config check reports it as a `UserError` at

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from posttrain import launch
 from posttrain.evaluation import evaluate_model, outcomes
 from posttrain.files import read_json, read_jsonl, write_json
 
@@ -38,9 +39,12 @@ def train(trainer, checkpoint_dir: str) -> tuple[float, int]:
     resumed = int(last.rsplit("-", 1)[1]) if last else 0
     if last:
         print(f"posttrain: resuming from {last} (step {resumed})", flush=True)
+    recorder = launch.observe(trainer)  # a rank of a launched job records what it trains on
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=last)
-    return time.perf_counter() - start, resumed
+    seconds = time.perf_counter() - start
+    launch.report(trainer, recorder, checkpoint_dir)
+    return seconds, resumed
 
 
 ADAPTER_DIR = "adapter"  # inside a LoRA stage's model folder: the adapter the merged model was made from
@@ -59,13 +63,17 @@ def lora_config(where: str, options: dict | None):
 def save_model(trainer, out_dir: str) -> None:
     """The trained model into `out_dir`. A LoRA stage saves its adapter to
     `<out_dir>/adapter` (also logged to the stage's MLflow run) and the base model with
-    the adapter merged in to `out_dir`: what later stages, evaluation and vLLM load."""
+    the adapter merged in to `out_dir`: what later stages, evaluation and vLLM load.
+    In a launched job every rank calls this (DeepSpeed and FSDP gather the weights
+    together); only the main one writes."""
     import sys
 
     peft = sys.modules.get("peft")  # a LoRA stage imported it; a full one need not
-    model = trainer.model
+    model = trainer.accelerator.unwrap_model(trainer.model)
     if peft is None or not isinstance(model, peft.PeftModel):
         trainer.save_model(out_dir)
+        return
+    if not trainer.args.should_save:
         return
     import mlflow
 
@@ -73,7 +81,8 @@ def save_model(trainer, out_dir: str) -> None:
     model.save_pretrained(adapter)
     model.merge_and_unload().save_pretrained(out_dir)
     trainer.processing_class.save_pretrained(out_dir)
-    mlflow.log_artifacts(str(adapter), ADAPTER_DIR)
+    if mlflow.active_run():
+        mlflow.log_artifacts(str(adapter), ADAPTER_DIR)
 
 
 def gate_evaluation(model_dir: str, env, config, data_dir: str) -> dict:

@@ -79,7 +79,7 @@ def create(dest: str | Path, config: dict, *, remote: str | Path | None = None) 
     copy_code(dest)
     (dest / "datasets").mkdir()
     shutil.copy(TEMPLATE / "datasets_README.md", dest / "datasets" / "README.md")  # batches are its own
-    (dest / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(pin_model_path(config), sort_keys=False))
+    (dest / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(workspace_params(config), sort_keys=False))
     dvc = [tool_path("dvc")]  # the venv's dvc, even when the venv is not on PATH
     _git("init", "-q", "-b", "main", cwd=dest)
     for args in (["init", "-q"], ["config", "core.analytics", "false"],
@@ -127,6 +127,29 @@ def pin_model_path(config: dict) -> dict:
     return config
 
 
+def workspace_params(config: dict) -> dict:
+    """The config as a workspace's params file: relative paths (`model.path`, each
+    `launcher.accelerate_config`) made absolute from the current folder, where `posttrain
+    check` found them, and a `launcher` section always there (dvc.yaml's training stages
+    track it; DVC refuses a params key that is missing)."""
+    config = pin_model_path(config)
+    config = {**config, "launcher": _pin_launcher(config.get("launcher") or {"type": "in_process"})}
+    if isinstance(config.get("sft"), dict) and config["sft"].get("launcher"):
+        config["sft"] = {**config["sft"], "launcher": _pin_launcher(config["sft"]["launcher"])}
+    if isinstance(config.get("grpo"), dict):
+        config["grpo"] = {name: {**stage, "launcher": _pin_launcher(stage["launcher"])}
+                          if isinstance(stage, dict) and stage.get("launcher") else stage
+                          for name, stage in config["grpo"].items()}
+    return config
+
+
+def _pin_launcher(launcher):
+    file = launcher.get("accelerate_config") if isinstance(launcher, dict) else None
+    if isinstance(file, str) and file and not Path(file).is_absolute():
+        return {**launcher, "accelerate_config": str(Path(file).resolve())}
+    return launcher
+
+
 def prepare(workdir: str | Path, config: dict) -> Path:
     """`workdir` set up to run `config`: created when missing, else its config and code
     replaced by this checkout's (DVC then reruns only the stages whose inputs changed)."""
@@ -136,7 +159,7 @@ def prepare(workdir: str | Path, config: dict) -> Path:
     copy_code(workdir)
     (workdir / "datasets").mkdir(exist_ok=True)  # workspaces from before new data was versioned
     shutil.copy(TEMPLATE / "datasets_README.md", workdir / "datasets" / "README.md")
-    (workdir / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(pin_model_path(config), sort_keys=False))
+    (workdir / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(workspace_params(config), sort_keys=False))
     # commit what changed, so the run's git commit names its code and config (replay)
     _git("add", "dvc.yaml", "posttrain", CUSTOM_DIR, "configs", "datasets/README.md", cwd=workdir)
     staged = subprocess.run(["git", "diff", "--cached", "--quiet"], cwd=workdir)

@@ -279,8 +279,13 @@ def test_the_qwen_recipe_checks_against_the_published_config(tmp_path):
     problem = lambda i: {"problem": f"Compute {i} + {i}.", "solution": f"Twice {i} is $\\boxed{{{2 * i}}}$."}
     write_jsonl(tmp_path / "custom" / "math_train.jsonl", [problem(i) for i in range(300)])
     write_jsonl(tmp_path / "custom" / "math_test.jsonl", [problem(i) for i in range(300, 350)])
-    done = cli("check", "--config", recipe, cwd=tmp_path)
+    done = cli("check", "--config", recipe, "--elsewhere", cwd=tmp_path)   # for its GPU machine
     assert done.returncode == 0, done.stderr
+    import torch
+
+    if not torch.cuda.is_available():  # here: GRPO's vLLM generation is refused before any compute
+        assert_refused(cli("check", "--config", recipe, cwd=tmp_path), "grpo.math.trl.use_vllm", "CUDA",
+                       "use_vllm: false")
     config = yaml.safe_load(recipe.read_text())
     assert config["sft"]["peft"] and config["grpo"]["math"]["peft"]                              # LoRA
     assert config["grpo"]["math"]["trl"]["use_vllm"] and config["grpo"]["math"]["trl"]["vllm_mode"] == "colocate"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import mlflow
 
-from posttrain import checkpoints
+from posttrain import checkpoints, launch
 from posttrain.chat import grpo_rows
 from posttrain.config import build_trl_config, grpo_trl_options
 from posttrain.envs import get_env
@@ -37,8 +37,10 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
             return pass_through(init_dir, out_dir, previous, metrics_path, curve_path)
         rows, metrics = filter_prompts(config, stage, env, init_dir, read_jsonl(Path(data_dir) / "train.jsonl"))
         run_dir = checkpoints.run_dir(checkpoint_dir, [config.seed, stage.model_dump()], [Path(data_dir), init_dir])
-        curve, train_metrics = run_trainer(config, name, env, rows, init_dir, out_dir, run_dir)
-        metrics.update(train_metrics)
+        trained = launch.train(config, f"grpo@{name}", f"{__name__}:train_job", {"name": name, "rows": rows,
+                               "init_dir": init_dir, "out_dir": out_dir, "run_dir": run_dir})
+        curve = trained["curve"]
+        metrics.update(trained["metrics"], world_size=float(trained["world_size"]))
         candidate = gate_evaluation(out_dir, env, config, data_dir)
         decision = decide(previous["eval"], candidate, k=config.gate.k, tolerance=config.gate.tolerance,
                           alpha=config.stats.alpha, resamples=config.stats.bootstrap_resamples, seed=config.seed,
@@ -81,33 +83,33 @@ def filter_prompts(config, stage, env, init_dir: str, rows: list[dict]) -> tuple
                   "pass_rate_mean": sum(rates) / len(rates)}
 
 
-def run_trainer(config, name, env, rows, init_dir, out_dir, run_dir) -> tuple[list[dict], dict]:
-    """Train with TRL; returns the reward curve and the training summary."""
+def train_job(config, job: dict) -> dict:
+    """Train with TRL and save the model to `job["out_dir"]` (on every rank of a launched
+    job: posttrain.launch); returns the reward curve and the training summary."""
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
+    name, init_dir, run_dir = job["name"], job["init_dir"], job["run_dir"]
     stage = config.grpo[name]
-    funcs, _ = build_rewards(env, stage.rewards, stage.guardrails)
+    funcs, _ = build_rewards(get_env(config.data.env, **config.data.options), stage.rewards, stage.guardrails)
     args = build_trl_config(f"grpo.{name}.trl", GRPOConfig, {"seed": config.seed, **grpo_trl_options(stage)},
                             output_dir=run_dir, report_to=["mlflow"], run_name=name)
-    dataset = Dataset.from_list(grpo_rows(rows))
+    dataset = Dataset.from_list(grpo_rows(job["rows"]))
     trainer = GRPOTrainer(model=init_dir, reward_funcs=funcs, args=args, train_dataset=dataset,
                           processing_class=AutoTokenizer.from_pretrained(init_dir),
                           peft_config=lora_config(f"grpo.{name}.peft", stage.peft))
     seconds, resumed = train(trainer, run_dir)
-    save_model(trainer, out_dir)
+    save_model(trainer, job["out_dir"])
     logs = [e for e in trainer.state.log_history if "reward" in e]
     curve = [{"step": e["step"], "reward": e["reward"], "frac_reward_zero_std": e["frac_reward_zero_std"],
               **{k.split("/")[1]: e[k] for k in e if k.startswith("rewards/") and k.endswith("/mean")}}
              for e in logs]
     zero_std = [e["frac_reward_zero_std"] for e in logs] or [0.0]
-    return curve, {"train_seconds": seconds, "steps": float(trainer.state.global_step),
-                   "resumed_from_step": float(resumed),
-                   "reward_first": logs[0]["reward"] if logs else 0.0,
-                   "reward_last": logs[-1]["reward"] if logs else 0.0,
-                   "frac_reward_zero_std_mean": sum(zero_std) / len(zero_std),
-                   "frac_reward_zero_std_last": zero_std[-1]}
+    summary = {"train_seconds": seconds, "steps": float(trainer.state.global_step), "resumed_from_step": float(resumed),
+               "reward_first": logs[0]["reward"] if logs else 0.0, "reward_last": logs[-1]["reward"] if logs else 0.0,
+               "frac_reward_zero_std_mean": sum(zero_std) / len(zero_std), "frac_reward_zero_std_last": zero_std[-1]}
+    return {"curve": curve, "metrics": summary}
 
 
 def gate_metrics(candidate: dict, decision, k: int) -> dict:

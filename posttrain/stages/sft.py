@@ -16,7 +16,7 @@ from pathlib import Path
 
 import mlflow
 
-from posttrain import checkpoints
+from posttrain import checkpoints, launch
 from posttrain.chat import sft_rows
 from posttrain.config import build_trl_config
 from posttrain.envs import get_env
@@ -38,18 +38,19 @@ def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: 
     with stage_run(config, "sft"):
         base = resolve_model_dir(base_dir)
         run_dir = checkpoints.run_dir(checkpoint_dir, [config.seed, config.sft.model_dump()], [Path(data_dir), base])
-        trainer, seconds, resumed, measuring = run_trainer(config, env, rows, validation, base, run_dir)
-        save_model(trainer, out_dir)
+        trained = launch.train(config, "sft", f"{__name__}:train_job", {"rows": rows, "validation": validation,
+                               "base": base, "run_dir": run_dir, "out_dir": out_dir})
         checkpoints.clear(checkpoint_dir)
         evaluation = gate_evaluation(out_dir, env, config, data_dir)
         # the base model's score: the floor the reward-hacking sentinel holds every later stage to
         write_card(out_dir, {"stage": "sft", "eval": evaluation, "base": gate_evaluation(base, env, config, data_dir)})
-        curve = validation_curve(trainer.state.log_history)
-        metrics = {"train_seconds": seconds, "steps": float(trainer.state.global_step),
-                   "resumed_from_step": float(resumed),
-                   "train_loss": next((e["train_loss"] for e in reversed(trainer.state.log_history)
+        curve = validation_curve(trained["log_history"])
+        metrics = {"train_seconds": trained["seconds"], "steps": float(trained["steps"]),
+                   "resumed_from_step": float(trained["resumed"]), "world_size": float(trained["world_size"]),
+                   "train_loss": next((e["train_loss"] for e in reversed(trained["log_history"])
                                        if "train_loss" in e), 0.0),
-                   "format_contract": contract, **stop_metrics(config, curve, trainer.state.global_step, measuring),
+                   "format_contract": contract,
+                   **stop_metrics(config, curve, trained["steps"], trained["measuring"]),
                    **gate_figures(evaluation, config.gate.k)}
         mlflow.log_metrics({f"stage.{k}": v for k, v in flatten(metrics).items()})
         write_json(metrics_path, metrics)
@@ -64,14 +65,16 @@ def split_validation(config, rows: list[dict]) -> tuple[list[dict], list[dict]]:
     return (rows, []) if stop is None else carve_validation(rows, stop.validation_size, config.seed)
 
 
-def run_trainer(config, env, rows, validation, base: str, run_dir: str):
-    """(trainer, wall seconds of train(), the step it resumed from, seconds of it spent
-    measuring for `stop_when`), trained with TRL."""
+def train_job(config, job: dict) -> dict:
+    """Train with TRL and save the model to `job["out_dir"]` (on every rank of a launched
+    job: posttrain.launch); what the stage reads back: the log history, the step count, wall
+    seconds of train(), the step it resumed from, the seconds spent measuring for `stop_when`."""
     from datasets import Dataset
     from transformers import AutoTokenizer, Trainer
     from trl import SFTConfig, SFTTrainer
 
-    dataset = Dataset.from_list(sft_rows(rows))
+    base, run_dir = job["base"], job["run_dir"]
+    dataset = Dataset.from_list(sft_rows(job["rows"]))
     args = build_trl_config("sft.trl", SFTConfig, {"seed": config.seed, **config.sft.trl},
                             output_dir=run_dir, report_to=["mlflow"], run_name="sft")
     trainer = SFTTrainer(model=base, args=args, train_dataset=dataset,
@@ -80,11 +83,14 @@ def run_trainer(config, env, rows, validation, base: str, run_dir: str):
     stop, stopper = config.sft.stop_when, None
     if stop is not None:
         # Trainer.log, not SFTTrainer.log: TRL's override would take the token-accuracy averages it logs next
-        stopper = StopOnTarget(env, validation, target=stop.greedy_accuracy, every_steps=stop.every_steps,
+        stopper = StopOnTarget(get_env(config.data.env, **config.data.options), job["validation"],
+                               target=stop.greedy_accuracy, every_steps=stop.every_steps,
                                max_new_tokens=config.evaluate.max_new_tokens, log=functools.partial(Trainer.log, trainer))
         trainer.add_callback(stopper)
     seconds, resumed = train(trainer, run_dir)
-    return trainer, seconds, resumed, stopper.seconds if stopper else 0.0
+    save_model(trainer, job["out_dir"])
+    return {"log_history": trainer.state.log_history, "steps": trainer.state.global_step, "seconds": seconds,
+            "resumed": resumed, "measuring": stopper.seconds if stopper else 0.0}
 
 
 def stop_metrics(config, curve: list[dict], steps: int, measuring: float) -> dict[str, float]:

