@@ -21,12 +21,16 @@ def add_flow_commands(sub) -> None:
                      " (default: this folder, or runs/<config name> with --config)")
     run.add_argument("--config", help="a variant config (e.g. configs/sql.yaml): run it in its own workspace, "
                      "created on first use")
-    serve = sub.add_parser("serve", help="serve the retrain flow as a Prefect deployment on a cron schedule")
+    serve = sub.add_parser("serve", help="serve the retrain flow as a Prefect deployment on a cron schedule "
+                           "(or deploy it to a work pool: --work-pool)")
     serve.add_argument("--workdir", default=".", help="the workspace each scheduled run retrains (default: here)")
     serve.add_argument("--cron", default="0 3 * * *", help="when runs are due (cron syntax; default daily 03:00)")
     serve.add_argument("--timezone", default="UTC")
     serve.add_argument("--name", default="nightly", help="deployment name: runs are `retrain/<name>`; "
                        "one name per workspace (a second serve with the same name takes the deployment over)")
+    serve.add_argument("--work-pool", metavar="NAME", help="register the deployment on this existing Prefect work "
+                       "pool and exit, instead of serving it here: a worker (`prefect worker start --pool NAME`) "
+                       "runs its runs")
     replay = sub.add_parser("replay", help="rerun a recorded retrain run from its git + DVC state, compare metrics")
     replay.add_argument("run_id", metavar="RUN_ID", help="the retrain (parent) run's id")
     replay.add_argument("--scratch", help="empty folder for the checkout (default: a new temporary folder)")
@@ -100,7 +104,8 @@ def servers_and_config(command: str, config_path: str, *, temporary_prefect: boo
 
 
 def serve_workspace(args) -> None:
-    """Check the workspace, the servers and the schedule, then serve until stopped."""
+    """Check the workspace, the servers and the schedule, then serve until stopped, or
+    register the deployment on the work pool `--work-pool` and return."""
     if not os.path.isfile(os.path.join(args.workdir, "dvc.yaml")):
         raise UserError(f"posttrain serve --workdir {args.workdir}", "no dvc.yaml there",
                         "pass a posttrain workspace (this repository, or runs/<name>)")
@@ -110,7 +115,7 @@ def serve_workspace(args) -> None:
     if not get_current_settings().api.url:  # an ephemeral API runs no scheduler: runs would never come due
         raise UserError("posttrain serve", "PREFECT_API_URL is not set",
                         "start a server (`prefect server start`) and export PREFECT_API_URL=http://HOST:4200/api")
-    from flows.deploy import nightly, serve_nightly
+    from flows.deploy import deploy_to_pool, nightly, serve_nightly
 
     import zoneinfo
 
@@ -124,7 +129,13 @@ def serve_workspace(args) -> None:
     except ValueError as err:
         raise UserError(f"posttrain serve --cron {args.cron!r}", str(err).splitlines()[0],
                         "give five cron fields, e.g. '0 3 * * *'") from None
-    serve_nightly(deployment)
+    if args.work_pool is not None:
+        if not args.work_pool.strip():
+            raise UserError("posttrain serve --work-pool", "the pool name is empty",
+                            "name an existing work pool (`prefect work-pool ls`), or leave out --work-pool to serve here")
+        print(deploy_to_pool(deployment, args.work_pool))
+    else:
+        serve_nightly(deployment)
 
 
 if __name__ == "__main__":
