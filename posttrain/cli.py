@@ -133,7 +133,8 @@ def run_stage(args) -> None:
             f"missing --{missing[0].replace('_', '-')}"
         raise UserError(where, problem, f"it takes {', '.join('--' + w.replace('_', '-') for w in wanted)}")
     config_path = kwargs.pop("config")
-    config = load_config(config_path, check_trl=False)
+    # what this machine can run matters to the stages that train (a replay of evaluate elsewhere need not)
+    config = load_config(config_path, check_trl=False, here=args.stage in ("sft", "grpo"))
     main = importlib.import_module(f"posttrain.stages.{args.stage}").main
     if args.stage == "grpo" and kwargs["name"] not in config.grpo:
         raise UserError(f"{where} --name", f"no GRPO stage {kwargs['name']!r} in {config_path}",

@@ -96,7 +96,8 @@ class LauncherSection(Section):
     processes: int = Field(1, ge=1, le=1024, description="Processes per node (one per GPU).")
     nodes: int = Field(1, ge=1, le=1024, description="Nodes; the others join with `posttrain join`.")
     accelerate_config: str | None = Field(None, description="accelerate config file (infra/accelerate/*.yaml) "
-                                                            "for type accelerate; relative to the workspace.")
+                                                            "for type accelerate; relative to the folder posttrain "
+                                                            "check / run starts in (a workspace records it absolute).")
     rdzv_endpoint: str | None = Field(None, description="HOST:PORT of node 0 for nodes > 1; null: the "
                                                         f"environment's {RDZV_ENV}.")
     rdzv_timeout_s: int = Field(1800, ge=10, description="For nodes > 1: how long node 0 and the joining nodes "
@@ -631,13 +632,27 @@ def check_trl_blocks(path: Path, config: PipelineConfig) -> None:
     from trl import GRPOConfig, SFTConfig
 
     blocks = [("sft.trl", SFTConfig, config.sft.trl)]
-    blocks += [(f"grpo.{name}.trl", GRPOConfig, grpo_trl_options(s)) for name, s in config.grpo.items()]
+    blocks += [(f"grpo.{name}.trl", across(GRPOConfig, config.stage_launcher(f"grpo@{name}")), grpo_trl_options(s))
+               for name, s in config.grpo.items()]
     for field, cls, options in blocks:
         build_trl_config(f"{path}: {field}", cls, options, output_dir="/nonexistent/posttrain-check")
     peft = [("sft.peft", config.sft.peft)] + [(f"grpo.{name}.peft", s.peft) for name, s in config.grpo.items()]
     for field, options in peft:
         if options is not None:
             build_lora_config(f"{path}: {field}", options)
+
+
+def across(cls, launcher):
+    """`cls` as it validates on the launcher's processes x nodes ranks: TRL checks GRPO's
+    batches against the world size (whole groups of `num_generations` per global batch),
+    which is 1 in the process that checks the config."""
+    world = launcher.processes * launcher.nodes
+    return cls if world == 1 else _world_sized(cls, world)
+
+
+@functools.cache
+def _world_sized(cls, world: int):
+    return type(cls.__name__, (cls,), {"world_size": property(lambda self: world), "__module__": cls.__module__})
 
 
 def build_lora_config(where: str, options: dict):

@@ -11,9 +11,10 @@ pipeline's `launcher:` unless the stage has its own):
   nodes join with `posttrain join` and receive the job from rank 0. Every rank runs
   `function(config, job)`: the Trainer shards the batches and syncs the gradients (DDP,
   or DeepSpeed ZeRO / FSDP as the accelerate config says). Only global rank 0 saves the
-  model, logs to the stage's MLflow run and writes `result.json`; each rank reports what
-  it trained on and a digest of its final weights to `ranks/rank-N.json`, which the stage
-  logs to its run (`launch/ranks.json`).
+  model, writes `result.json` and lets the Trainer log its training metrics to the
+  stage's MLflow run; each rank reports what it trained on and a digest of its final
+  weights to `ranks/rank-N.json`. The stage's own process then writes the metrics files
+  and the rest of the run (`launch/ranks.json` among it), as in-process.
 - A rank that raises writes its one-line reason to `errors/rank-N.txt`; the launcher ends
   the other ranks (torch elastic) and the stage fails with that line (`TrainingFailed`).
 
@@ -36,22 +37,11 @@ from pathlib import Path
 from posttrain import lifetime
 from posttrain.errors import TrainingFailed, UserError
 from posttrain.files import read_json, write_json
+from posttrain.machine import rdzv_endpoint
 from posttrain.redact import redact_text
 
 LAUNCH_DIR = "launch"          # inside a stage's checkpoint run folder
 EXAMPLES_KEPT = 2000           # example digests a rank report keeps (the count is exact)
-
-
-def rdzv_endpoint(launcher, where: str) -> tuple[str, str]:
-    """(host, port) of node 0 for a multi-node launch: the config's, else the environment's."""
-    from posttrain.config import RDZV_ENV
-
-    endpoint = launcher.rdzv_endpoint or os.environ.get(RDZV_ENV, "")
-    host, _, port = endpoint.rpartition(":")
-    if not host or not port.isdigit():
-        raise UserError(where, f"{launcher.nodes} nodes need node 0's HOST:PORT, and neither launcher.rdzv_endpoint "
-                               f"nor {RDZV_ENV} gives one", f"set launcher.rdzv_endpoint or export {RDZV_ENV}=HOST:PORT")
-    return host, port
 
 
 def command(launcher, *, node_rank: int = 0, job: str | None = None, where: str = "launcher") -> list[str]:
@@ -114,7 +104,8 @@ def train(config, stage: str, function: str, job: dict) -> dict:
             path.unlink()
     run = mlflow.active_run()
     write_json(folder / "job.json", {"config": config.model_dump(mode="json", by_alias=True), "function": function,
-                                     "job": job, "stage": stage, "tracking_uri": mlflow.get_tracking_uri(),
+                                     "job": job, "stage": stage, "cwd": os.getcwd(),
+                                     "tracking_uri": mlflow.get_tracking_uri(),
                                      "run_id": run.info.run_id if run else None})
     cmd = command(launcher, job=str(folder / "job.json"), where=f"{stage}: launcher")
     print(f"posttrain: {stage}: training on {launcher.nodes} node(s) x {launcher.processes} process(es) "
@@ -137,12 +128,15 @@ def run_streamed(cmd: list[str]) -> int:
 
 
 def failure(stage: str, folder: Path, code: int) -> str:
-    """One line: the first rank that failed and why, else the launcher's exit code."""
-    errors = sorted((folder / "errors").glob("rank-*.txt"), key=lambda p: p.stat().st_mtime)
-    if errors:
+    """One line: the first rank that failed and why (a rank's own error before one that
+    only lost its peers), else the launcher's exit code."""
+    errors = sorted((folder / "errors").glob("rank-*.txt"), key=lambda p: (p.name.endswith(".secondary.txt"),
+                                                                          p.stat().st_mtime))
+    if errors and not errors[0].name.endswith(".secondary.txt"):
         return f"{stage}: {errors[0].read_text().strip()}"
-    return (f"{stage}: the launcher exited with code {code} and no rank reported an error "
-            "(a rank killed from outside, or out of memory); see the stage's log above")
+    seen = f"; {errors[0].read_text().strip()}" if errors else ""
+    return (f"{stage}: the launcher exited with code {code} and no rank raised an error of its own (a rank was "
+            f"killed: out of memory, or from outside){seen}")
 
 
 def resolve(function: str):
@@ -160,6 +154,17 @@ def rank() -> tuple[int, int]:
 
 def is_main() -> bool:
     return rank()[0] == 0
+
+
+def from_main(value):
+    """`value` as rank 0 has it, on every rank of a launched job (as is outside one)."""
+    if rank()[1] == 1:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 class Recorder:
@@ -189,13 +194,18 @@ def observe(trainer) -> Recorder | None:
 
 def weights_digest(model) -> str | None:
     """sha256 of a model's parameters (names and bytes, in order); None when this process
-    holds only shards of them (ZeRO-3, FSDP)."""
+    holds only shards of them (DeepSpeed ZeRO-3, FSDP's DTensors) or cannot read them."""
+    import torch
+
     digest = hashlib.sha256()
-    for name, param in model.named_parameters():
-        if param.numel() == 0:
-            return None
-        digest.update(name.encode())
-        digest.update(param.detach().float().cpu().contiguous().numpy().tobytes())
+    try:
+        for name, param in model.named_parameters():
+            if param.numel() == 0 or hasattr(param, "ds_id") or type(param.data) is not torch.Tensor:
+                return None
+            digest.update(name.encode())
+            digest.update(param.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    except (RuntimeError, TypeError):  # a report never fails a stage
+        return None
     return digest.hexdigest()
 
 
@@ -222,17 +232,29 @@ def worker(job_path: str | None) -> None:
     box = [read_json(job_path) if job_path and state.is_main_process else None]
     dist.broadcast_object_list(box, src=0)
     spec = box[0]
+    os.chdir(spec["cwd"])  # the workspace (a joining node may start elsewhere): custom/, relative paths
     folder = Path(spec["job"]["run_dir"]) / LAUNCH_DIR
     try:
         result = run_job(spec)
     except BaseException as err:
         reason = " ".join(f"{type(err).__name__}: {err}".split())[:400]
+        # a rank that lost its peers (one died) fails too: that is not the cause
+        kind = "secondary" if secondary(err) else "error"
         (folder / "errors").mkdir(parents=True, exist_ok=True)
-        (folder / "errors" / f"rank-{state.process_index}.txt").write_text(
+        (folder / "errors" / f"rank-{state.process_index}.{kind}.txt").write_text(
             f"rank {state.process_index} of {state.num_processes} failed: {redact_text(reason)}\n")
         raise
     if state.is_main_process:
         write_json(folder / "result.json", result)
+
+
+def secondary(err: BaseException) -> bool:
+    """Whether `err` is a collective that failed because another rank went away."""
+    import torch.distributed as dist
+
+    lost = ("connection closed by peer", "connection reset by peer", "broken pipe", "nccl communicator was aborted",
+            "timed out", "socket")
+    return isinstance(err, getattr(dist, "DistBackendError", ())) or any(w in str(err).lower() for w in lost)
 
 
 def run_job(spec: dict) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 from pathlib import Path
 
 from posttrain.errors import UserError
@@ -32,11 +33,18 @@ def check(path, config, *, here: bool = True) -> None:
     for stage, field in training_stages(config):
         launcher = config.stage_launcher(stage)
         where = f"{path}: {field}.launcher" if launcher is not config.launcher else f"{path}: launcher"
-        distributed = accelerate_config_type(where, launcher.accelerate_config) if launcher.accelerate_config else None
+        loaded = accelerate_config(where, launcher.accelerate_config) if launcher.accelerate_config else None
+        peft = config.sft.peft if stage == "sft" else config.grpo[stage[5:]].peft
+        if peft is not None and loaded is not None and sharded(loaded):
+            raise UserError(f"{where}.accelerate_config", "LoRA (`peft:`) with weights sharded over the GPUs (ZeRO-3, "
+                            "FSDP) is not supported: the adapter and the merged model would be saved from shards",
+                            "use infra/accelerate/zero2.yaml or ddp.yaml for a LoRA stage")
         if here:
-            problem = launcher_problem(launcher, distributed, cuda)
+            problem = launcher_problem(launcher, loaded, cuda)
             if problem:
-                raise UserError(where, *problem)
+                raise UserError(f"{where}.{problem[0]}", *problem[1:])
+            if launcher.nodes > 1:
+                rdzv_endpoint(launcher, f"{where}.rdzv_endpoint")
     for name, stage in config.grpo.items():
         if here and stage.trl.get("use_vllm"):
             problem = vllm_problem(stage.trl, cuda=bool(cuda), vllm=installed_version("vllm"),
@@ -45,39 +53,62 @@ def check(path, config, *, here: bool = True) -> None:
                 raise UserError(f"{path}: grpo.{name}.trl.{problem[0]}", *problem[1:])
 
 
+def rdzv_endpoint(launcher, where: str) -> tuple[str, str]:
+    """(host, port) of node 0 for a multi-node launch: the config's, else the environment's."""
+    from posttrain.config import RDZV_ENV
+
+    endpoint = launcher.rdzv_endpoint or os.environ.get(RDZV_ENV, "")
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")  # an IPv6 address: [::1]:29500
+    if not host or not port.isdigit():
+        raise UserError(where, f"{launcher.nodes} nodes need node 0's HOST:PORT, and neither launcher.rdzv_endpoint "
+                               f"nor {RDZV_ENV} gives one", f"set launcher.rdzv_endpoint or export {RDZV_ENV}=HOST:PORT")
+    return host, port
+
+
 def cuda_devices() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def accelerate_config_type(where: str, file: str) -> str:
-    """The `distributed_type` of an accelerate config file, loaded by accelerate's own loader."""
+def accelerate_config(where: str, file: str):
+    """An accelerate config file, loaded by accelerate's own loader (its `ClusterConfig`)."""
     from accelerate.commands.config.config_args import load_config_from_file
 
     if not Path(file).is_file():
         raise UserError(f"{where}.accelerate_config", f"{show(file)} is not a file",
                         "name an accelerate config (infra/accelerate/ddp.yaml, zero2, zero3, fsdp2), relative to "
-                        "the workspace")
+                        "the folder posttrain check / run is started in")
     try:
-        loaded = load_config_from_file(file)
+        return load_config_from_file(file)
     except Exception as err:  # accelerate's own reason: unknown keys, a bad enum value, YAML
         raise UserError(f"{where}.accelerate_config", f"accelerate cannot load {file}: "
                         f"{' '.join(str(err).split())[:200]}", "fix the file (`accelerate config` writes one)") from None
+
+
+def distributed_type(loaded) -> str:
     return str(getattr(loaded.distributed_type, "value", loaded.distributed_type))
 
 
-def launcher_problem(launcher, distributed: str | None, cuda: int) -> tuple[str, str] | None:
-    """(problem, fix) when this machine (with `cuda` GPUs) cannot run `launcher`."""
+def sharded(loaded) -> bool:
+    """Whether an accelerate config shards the weights themselves (ZeRO-3, FSDP)."""
+    kind = distributed_type(loaded)
+    return kind == "FSDP" or (kind == "DEEPSPEED" and int((loaded.deepspeed_config or {}).get("zero_stage", 0)) == 3)
+
+
+def launcher_problem(launcher, loaded, cuda: int) -> tuple[str, str, str] | None:
+    """(field, problem, fix) when this machine (with `cuda` GPUs) cannot run `launcher`."""
     if launcher.type == "accelerate" and not cuda:
-        return ("`accelerate launch` needs CUDA GPUs here: on CPUs it starts one process, not "
+        return ("type", "`accelerate launch` needs CUDA GPUs here: on CPUs it starts one process, not "
                 f"{launcher.processes}, without mpirun",
                 "use type: torchrun (DDP over gloo) on this machine, or `posttrain check --elsewhere` for a GPU cluster")
     if cuda and launcher.type != "in_process" and launcher.processes > cuda:
-        return (f"{launcher.processes} processes per node, but this machine has {cuda} CUDA GPU(s)",
+        return ("processes", f"{launcher.processes} processes per node, but this machine has {cuda} CUDA GPU(s)",
                 f"set processes to at most {cuda} (one per GPU)")
-    if distributed == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:
-        return ("the accelerate config trains with DeepSpeed, which is not installed", "pip install deepspeed")
+    if loaded is not None and distributed_type(loaded) == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:
+        return ("accelerate_config", "the accelerate config trains with DeepSpeed, which is not installed",
+                "pip install deepspeed")
     return None
 
 

@@ -77,8 +77,14 @@ class StopOnTarget(TrainerCallback):
         return control
 
     def measure(self, model, tokenizer) -> float:
+        """Greedy accuracy on the validation rows. In a launched job every rank measures
+        (a sharded model generates only with all of them) and all take rank 0's figure, so
+        all stop at the same step: a rank that stopped alone would leave the others
+        waiting in a collective."""
+        from posttrain.launch import from_main
+
         started = time.perf_counter()
-        accuracy = greedy_accuracy(model, tokenizer, self.env, self.rows, self.max_new_tokens)
+        accuracy = from_main(greedy_accuracy(model, tokenizer, self.env, self.rows, self.max_new_tokens))
         self.seconds += time.perf_counter() - started
         self.log({CURVE_KEY: accuracy})
         return accuracy

@@ -198,6 +198,36 @@ def test_join_is_refused_where_there_is_nothing_to_join(tmp_path):
                    "--node-rank", "1..1", seconds=30)
 
 
+def test_what_a_launch_needs_is_checked_with_its_world_size(tmp_path):
+    """GRPO's whole-group rule at the launcher's world size; LoRA under sharded weights;
+    several nodes without a rendezvous endpoint."""
+    def check(overrides, *args, env=None):
+        config = tmp_path / "c.yaml"
+        config.write_text(yaml.safe_dump({"extends": str(REPO / "configs" / "pipeline.yaml"), **overrides}))
+        return cli("check", "--config", config, *args, cwd=tmp_path, env=env)
+
+    groups = {"grpo": {"dense": {"trl": {"per_device_train_batch_size": 2, "num_generations": 4}}}}
+    assert check({**groups, **TWO_RANKS}).returncode == 0          # 2 x 2 completions: one group of 4
+    assert_refused(check(groups), "grpo.dense.trl", "divisible by num_generations", seconds=30)  # 1 rank: half a group
+    zero3 = {"launcher": {"type": "accelerate", "accelerate_config": str(REPO / "infra/accelerate/zero3.yaml")},
+             "sft": {"peft": {"r": 8}}}
+    assert_refused(check(zero3, "--elsewhere"), "launcher.accelerate_config", "LoRA", "zero2.yaml", seconds=30)
+    two_nodes = {"launcher": {"type": "torchrun", "nodes": 2}}
+    assert_refused(check(two_nodes, env={"POSTTRAIN_RDZV_ENDPOINT": ""}), "launcher.rdzv_endpoint", seconds=30)
+    assert check(two_nodes, env={"POSTTRAIN_RDZV_ENDPOINT": "node0:29500"}).returncode == 0
+
+
+def test_a_rank_that_only_lost_its_peers_is_not_named_the_cause(tmp_path):
+    from posttrain.launch import failure
+
+    errors = tmp_path / "errors"
+    errors.mkdir()
+    (errors / "rank-0.secondary.txt").write_text("rank 0 of 2 failed: DistBackendError: Connection closed by peer\n")
+    assert "no rank raised an error of its own" in failure("sft", tmp_path, -9)
+    (errors / "rank-1.error.txt").write_text("rank 1 of 2 failed: ValueError: bad row\n")
+    assert failure("sft", tmp_path, 1) == "sft: rank 1 of 2 failed: ValueError: bad row"
+
+
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 (http.server's name)
         self.send_response(200 if self.path == "/health" else 404)

@@ -36,7 +36,9 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
         if previous.get("stopped_at"):
             return pass_through(init_dir, out_dir, previous, metrics_path, curve_path)
         rows, metrics = filter_prompts(config, stage, env, init_dir, read_jsonl(Path(data_dir) / "train.jsonl"))
-        run_dir = checkpoints.run_dir(checkpoint_dir, [config.seed, stage.model_dump()], [Path(data_dir), init_dir])
+        run_dir = checkpoints.run_dir(checkpoint_dir, [config.seed, stage.model_dump(),  # and the launcher, as in sft
+                                                       config.stage_launcher(f"grpo@{name}").model_dump()],
+                                      [Path(data_dir), init_dir])
         trained = launch.train(config, f"grpo@{name}", f"{__name__}:train_job", {"name": name, "rows": rows,
                                "init_dir": init_dir, "out_dir": out_dir, "run_dir": run_dir})
         curve = trained["curve"]

@@ -37,7 +37,9 @@ def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: 
     rows, validation = split_validation(config, rows)
     with stage_run(config, "sft"):
         base = resolve_model_dir(base_dir)
-        run_dir = checkpoints.run_dir(checkpoint_dir, [config.seed, config.sft.model_dump()], [Path(data_dir), base])
+        # a checkpoint resumes only under the same launcher (world size, sharding)
+        run_dir = checkpoints.run_dir(checkpoint_dir, [config.seed, config.sft.model_dump(),
+                                                       config.stage_launcher("sft").model_dump()], [Path(data_dir), base])
         trained = launch.train(config, "sft", f"{__name__}:train_job", {"rows": rows, "validation": validation,
                                "base": base, "run_dir": run_dir, "out_dir": out_dir})
         checkpoints.clear(checkpoint_dir)
