@@ -57,6 +57,7 @@ def build_parser(add_commands=None) -> argparse.ArgumentParser:
     if add_commands:
         add_commands(sub)
     add_kv_parser(sub)
+    add_memory_parser(sub)
     compare = sub.add_parser("compare", help="runs side by side: differing params, metrics with deltas, a plot")
     compare.add_argument("runs", nargs="+", metavar="RUN", help="run ids, or the aliases champion / challenger")
     compare.add_argument("--out", default="compare.png", help="where the overlay plot (PNG) goes")
@@ -86,6 +87,30 @@ def add_kv_parser(sub) -> None:
     kv.add_argument("--json", action="store_true")
 
 
+def add_memory_parser(sub) -> None:
+    memory = sub.add_parser("memory", help="training memory per GPU of a model, from its config.json",
+                            description="Per GPU: weights, gradients, optimizer states (DeepSpeed's arithmetic), "
+                                        "reference model, activations, logits, generation (posttrain/memory.py)")
+    memory.add_argument("model", help="model folder or config.json")
+    memory.add_argument("--method", choices=["sft", "grpo", "ppo"], default="grpo")
+    memory.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (FSDP: 3)")
+    memory.add_argument("--gpus", type=int, default=1, help="GPUs per node")
+    memory.add_argument("--nodes", type=int, default=1)
+    memory.add_argument("--offload-optimizer", action="store_true")
+    memory.add_argument("--offload-params", action="store_true", help="ZeRO-3: the weights too")
+    memory.add_argument("--lora-rank", type=int, default=0, help="0: every weight trains")
+    memory.add_argument("--beta", type=float, default=0.0, help="KL weight; > 0 keeps a reference model")
+    memory.add_argument("--batch", type=int, default=1, help="sequences per micro-batch per GPU")
+    memory.add_argument("--seq", type=int, default=1024, help="tokens per sequence (prompt + completion)")
+    memory.add_argument("--completion", type=int, help="completion tokens (GRPO, PPO; default --seq)")
+    memory.add_argument("--gradient-checkpointing", action="store_true")
+    memory.add_argument("--fp32", action="store_true", help="train in fp32 (CPUs) instead of bf16 mixed precision")
+    memory.add_argument("--vllm-share", type=float, default=0.0, help="colocated vLLM's share of the GPU")
+    memory.add_argument("--gpu", help="GPU profile: adds its memory and whether the plan fits")
+    memory.add_argument("--gpus-file", default=str(PACKAGED_PROFILES), help="GPU profiles file")
+    memory.add_argument("--json", action="store_true")
+
+
 def dispatch(args) -> int:
     from posttrain.config import load_config
 
@@ -107,6 +132,8 @@ def dispatch(args) -> int:
                       alpha=args.alpha, resamples=args.resamples))
     elif args.command == "kv":
         print_kv(args)
+    elif args.command == "memory":
+        print_memory(args)
     return 0
 
 
@@ -183,6 +210,26 @@ def print_kv(args) -> None:
     width = max(map(len, figures))
     for key, value in figures.items():
         print(f"{key:<{width}}  {value:,.2f}" if isinstance(value, float) else f"{key:<{width}}  {value:,}")
+
+
+def print_memory(args) -> None:
+    """`posttrain memory`: the plan (posttrain.memory) as JSON or aligned lines in GiB."""
+    from posttrain.memory import GIB, Setup, report
+
+    setup = Setup(method=args.method, zero=args.zero, gpus=args.gpus, nodes=args.nodes,
+                  offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
+                  lora_rank=args.lora_rank, beta=args.beta, batch=args.batch, seq=args.seq, completion=args.completion,
+                  gradient_checkpointing=args.gradient_checkpointing, mixed_precision=not args.fp32,
+                  vllm_share=args.vllm_share)
+    figures = report(args.model, setup, gpu=args.gpu, gpus_file=args.gpus_file)
+    if args.json:
+        print(json.dumps(figures, sort_keys=True))
+        return
+    width = max(map(len, figures))
+    for key, value in figures.items():
+        shown = f"{value / GIB:,.2f} GiB" if key.endswith("_bytes") else \
+            (f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value))
+        print(f"{key:<{width}}  {shown}")
 
 
 def check_stats_options(args) -> None:

@@ -1,0 +1,158 @@
+"""Measured peak memory of real TRL training steps against posttrain's plan (posttrain/memory.py).
+
+Each case runs two optimizer steps (the second holds the optimizer states throughout) of TRL's SFTTrainer or GRPOTrainer, in fp32 on the CPU,
+in a process of its own, on a Llama-shaped model with random weights. The peak is the
+model's (and TRL's reference model's) weights plus the highest point of what training
+allocated on top of what was in use before it, read from glibc's malloc statistics
+(`mallinfo2`: heap and mmap bytes in use, where PyTorch's CPU allocator takes every
+tensor), sampled every 0.5 ms. It prints, per case, the
+measured peak, the plan's total and their ratio (goal: within 15%).
+
+    .venv/bin/python bench/training_memory.py [--sizes tiny,10m,30m,100m] [--cases sft,sft_gc,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SIZES = {  # hidden, layers, heads, kv heads, MLP width, vocab
+    "tiny": (128, 4, 4, 2, 512, 32000),
+    "10m": (256, 6, 4, 2, 1024, 32000),
+    "30m": (512, 8, 8, 4, 1408, 32000),
+    "100m": (768, 12, 12, 4, 2048, 32000),
+}
+CASES = {  # method, gradient checkpointing, beta, LoRA rank
+    "sft": ("sft", False, 0.0, 0), "sft_gc": ("sft", True, 0.0, 0), "sft_lora": ("sft", False, 0.0, 8),
+    "grpo": ("grpo", False, 0.0, 0), "grpo_ref": ("grpo", False, 0.04, 0), "grpo_gc": ("grpo", True, 0.0, 0),
+}
+BATCH, SEQ, PROMPT, COMPLETION = 8, 128, 32, 96
+
+
+def model_config(size: str) -> dict:
+    hidden, layers, heads, kv_heads, intermediate, vocab = SIZES[size]
+    return {"model_type": "llama", "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "intermediate_size": intermediate, "vocab_size": vocab,
+            "max_position_embeddings": 4 * SEQ, "tie_word_embeddings": False, "attention_bias": False}
+
+
+def one_case(size: str, case: str) -> dict:
+    """Run the case here; the measured and planned bytes."""
+    import torch
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from posttrain.memory import Setup, plan
+    from posttrain.tiny_model import build_tokenizer
+
+    method, checkpointing, beta, rank = CASES[case]
+    torch.manual_seed(0)
+    folder = tempfile.mkdtemp()
+    tokenizer = build_tokenizer()
+    config = model_config(size)
+    LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    common = {"output_dir": tempfile.mkdtemp(), "max_steps": 2, "per_device_train_batch_size": BATCH,
+              "report_to": [], "use_cpu": True, "bf16": False, "save_strategy": "no", "logging_steps": 1,
+              "gradient_checkpointing": checkpointing, "disable_tqdm": True, "dataloader_num_workers": 0}
+    peft = None
+    if rank:
+        from peft import LoraConfig
+
+        peft = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear")
+    if method == "sft":
+        from trl import SFTConfig, SFTTrainer
+
+        rows = [{"text": "12+34=46," * SEQ} for _ in range(4 * BATCH)]
+        trainer = SFTTrainer(model=folder, processing_class=tokenizer, train_dataset=Dataset.from_list(rows),
+                             peft_config=peft, args=SFTConfig(**common, max_length=SEQ))
+    else:
+        from trl import GRPOConfig, GRPOTrainer
+
+        rows = [{"prompt": "1+2=" * (PROMPT // 4)} for _ in range(4 * BATCH)]
+        trainer = GRPOTrainer(model=folder, processing_class=tokenizer, train_dataset=Dataset.from_list(rows),
+                              reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                              peft_config=peft,
+                              args=GRPOConfig(**common, num_generations=BATCH, max_completion_length=COMPLETION,
+                                              beta=beta, generation_kwargs={"min_new_tokens": COMPLETION}))
+    before = in_use()
+    with Peak() as peak:
+        trainer.train()
+    planned = plan(config, Setup(method=method, mixed_precision=False, batch=BATCH, seq=SEQ,
+                                 completion=None if method == "sft" else COMPLETION,
+                                 gradient_checkpointing=checkpointing, beta=beta, lora_rank=rank)).as_dict()
+    weights = sum(t.numel() * t.element_size() for m in (trainer.model, getattr(trainer, "ref_model", None))
+                  if m is not None for t in m.parameters())
+    # the model's (and reference's) weights were allocated before; what train() added on top, at its highest
+    return {"size": size, "case": case, "measured_bytes": weights + peak.bytes - before, "weights_bytes": weights,
+            "step_peak_bytes": peak.bytes - before, "plan": planned}
+
+
+def in_use() -> int:
+    """Bytes glibc's malloc has handed out and not taken back (heap and mmap): where
+    PyTorch's CPU allocator gets every tensor."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+class Peak:
+    """The highest `in_use()` while the block runs, sampled every 0.5 ms by a thread."""
+
+    def __enter__(self):
+        import threading
+
+        self.bytes, self.done = in_use(), threading.Event()
+        self.thread = threading.Thread(target=self.watch, daemon=True)
+        self.thread.start()
+        return self
+
+    def watch(self):
+        while not self.done.wait(0.0005):
+            self.bytes = max(self.bytes, in_use())
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+        self.bytes = max(self.bytes, in_use())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="tiny,10m,30m,100m")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # size:case, run in this process
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one_case(*args.one.split(":"))))
+        return
+    print(f"{'size':<6} {'case':<10} {'measured MiB':>13} {'plan MiB':>10} {'ratio':>6}  plan parts (MiB)")
+    for size in args.sizes.split(","):
+        for case in args.cases.split(","):
+            done = subprocess.run([sys.executable, __file__, "--one", f"{size}:{case}"], capture_output=True,
+                                  text=True, cwd=Path(__file__).resolve().parents[1])
+            if done.returncode:
+                print(f"{size:<6} {case:<10} failed: {done.stderr.strip().splitlines()[-1][:200]}")
+                continue
+            r = json.loads(done.stdout.strip().splitlines()[-1])
+            p, mib = r["plan"], 2**20
+            parts = " ".join(f"{k[:-6]}={p[k] / mib:.0f}" for k in ("model_states_bytes", "reference_bytes",
+                             "activations_bytes", "logits_bytes", "generation_bytes") if p[k])
+            print(f"{size:<6} {case:<10} {r['measured_bytes'] / mib:>13.1f} {p['total_bytes'] / mib:>10.1f} "
+                  f"{p['total_bytes'] / r['measured_bytes']:>6.2f}  {parts}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

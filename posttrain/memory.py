@@ -1,0 +1,279 @@
+"""Training memory per GPU, from a model's config.json alone: what `posttrain memory` prints.
+
+Units: bytes, per GPU. Shapes: P parameters in the model, T the ones that train (P, or a
+LoRA adapter's), L the parameters of its largest module (DeepSpeed's
+`largest_layer_params`: the embedding in every decoder here), N GPUs in all (gpus x nodes),
+b sequences per micro-batch, s tokens per sequence, c completion tokens (GRPO), V vocab.
+
+Model states (weights, gradients, optimizer states) follow DeepSpeed's estimators
+exactly (`estimate_zero2_model_states_mem_needs`, `estimate_zero3_model_states_mem_needs`;
+mixed-precision AdamW: 2 bytes of 16-bit weights per parameter, and 18 per trained
+parameter of 16-bit and fp32 gradients (6), fp32 master weights (4) and Adam's two moments
+(8)), extended to the cases they leave out (ZeRO-0/1, LoRA, fp32 training on a CPU):
+
+    zero 0           2P + 18T                    (no sharding: DDP)
+    zero 1           2P + 6T + 12T/N             (optimizer states sharded)
+    zero 2           2P + 18T/N                  (and gradients)
+    zero 2, offload  2P                          (optimizer and gradients on the CPU)
+    zero 3           4L + 18T/N (+ 2(P-T)/N)     (weights too; one gathered layer in flight)
+    zero 3, offload  4L + 2P/N; with params offloaded too, 4L
+
+fp32 training (the CPU default) keeps 4 bytes of weights, 4 of gradients and 8 of Adam per
+parameter, no 16-bit copies. The other parts are stated per function: the reference
+model, activations (with and without gradient checkpointing), the vocab-sized tensors the
+loss needs, and generation (a colocated vLLM's share of the GPU, or transformers' KV
+cache); bench/training_memory.py measures the whole against real TRL steps on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from posttrain.kv import GIB, head_counts, positive, text_config
+
+DECODERS = {"llama", "mistral", "qwen2", "qwen3"}  # dense decoders: gate/up/down MLP, GQA attention
+ADAM_STATES = 8      # bytes per trained parameter: Adam's two fp32 moments
+MIXED_GRADS = 6      # 16-bit and fp32 gradients (DeepSpeed's count)
+MASTER = 4           # fp32 master weights in mixed precision
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder's shape, from its config.json."""
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def linears(self) -> list[tuple[int, int]]:
+        """(in, out) features of one layer's linear modules: q, k, v, o, gate, up, down."""
+        q = self.heads * self.head_dim
+        return [(self.hidden, q), (self.hidden, self.kv_dim), (self.hidden, self.kv_dim), (q, self.hidden),
+                (self.hidden, self.intermediate), (self.hidden, self.intermediate), (self.intermediate, self.hidden)]
+
+    @property
+    def params(self) -> int:
+        """P: embedding (+ an untied output head), per layer the linears (+ q/k/v biases,
+        + q/k norms), two RMSNorms, and the final norm."""
+        layer = sum(i * o for i, o in self.linears()) + 2 * self.hidden
+        layer += (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+        layer += 2 * self.head_dim if self.qk_norm else 0
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * layer + self.hidden
+
+    @property
+    def largest_layer(self) -> int:
+        """L: the parameters of the largest single module (as DeepSpeed's `model_to_params`)."""
+        return max([self.vocab * self.hidden] + [i * o for i, o in self.linears()])
+
+    def lora_params(self, rank: int) -> int:
+        """T of a LoRA adapter of rank `rank` on every linear of every layer (`all-linear`):
+        r x (in + out) per module."""
+        return self.layers * sum(rank * (i + o) for i, o in self.linears())
+
+
+def shape(config: dict) -> Shape:
+    """The decoder shape of a Hugging Face config; ValueError naming what is missing or
+    which model types are known."""
+    cfg = text_config(config)
+    kind = cfg.get("model_type", "")
+    if kind not in DECODERS:
+        raise ValueError(f"model_type {str(kind)[:40]!r} is not one of the decoders this plan knows "
+                         f"({', '.join(sorted(DECODERS))}: gate/up/down MLP, GQA attention)")
+    heads, kv_heads = head_counts(cfg)
+    hidden = positive(cfg, "hidden_size")
+    return Shape(vocab=positive(cfg, "vocab_size"), hidden=hidden, layers=positive(cfg, "num_hidden_layers"),
+                 heads=heads, kv_heads=kv_heads, head_dim=positive(cfg, "head_dim", hidden // heads),
+                 intermediate=positive(cfg, "intermediate_size"), tied=bool(cfg.get("tie_word_embeddings", False)),
+                 qkv_bias=bool(cfg.get("attention_bias", kind in ("qwen2", "qwen2_5"))), qk_norm=kind == "qwen3")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One training setup: method, sharding, precision and batch."""
+    method: str = "grpo"            # sft | grpo | ppo
+    zero: int = 0                   # 0 (DDP) .. 3; FSDP full sharding counts as 3
+    gpus: int = 1                   # per node
+    nodes: int = 1
+    offload_optimizer: bool = False
+    offload_params: bool = False    # ZeRO-3 only
+    lora_rank: int = 0              # 0: every weight trains
+    beta: float = 0.0               # KL weight: > 0 keeps a reference model (GRPO, PPO)
+    batch: int = 1                  # b: sequences per micro-batch per GPU
+    seq: int = 1024                 # s: tokens per sequence (prompt + completion)
+    completion: int | None = None   # c: completion tokens (GRPO's logits); None: s
+    gradient_checkpointing: bool = False
+    mixed_precision: bool = True    # bf16 with fp32 master weights (GPU); False: fp32 (CPU)
+    vllm_share: float = 0.0         # colocated vLLM's share of the GPU (GRPO generation)
+    gpu_bytes: int = 0              # the GPU's memory, for the vLLM share and the budget
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per GPU, in bytes."""
+    params: int
+    trainable_params: int
+    largest_layer_params: int
+    weights_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    model_states_bytes: int
+    reference_bytes: int
+    critic_bytes: int
+    reward_model_bytes: int
+    activations_bytes: int
+    logits_bytes: int
+    generation_bytes: int
+    total_bytes: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def model_states(p: int, t: int, largest: int, setup: Setup) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer) bytes per GPU for `p` parameters of which `t` train
+    (the table in the module docstring). Totals equal DeepSpeed's estimators for full
+    training in mixed precision (ZeRO-2: 2P + int(18P/N); ZeRO-3: 4L + int(18P/N))."""
+    n = setup.gpus * setup.nodes
+    if not setup.mixed_precision:  # fp32: 4 weights + 4 gradients + 8 Adam
+        return _shard(4 * p, 4 * t, ADAM_STATES * t, setup.zero, n, largest)
+    zero = setup.zero
+    frozen = p - t
+    if zero == 3:
+        if setup.offload_optimizer and setup.offload_params:
+            return 4 * largest, 0, 0
+        if setup.offload_optimizer:
+            return 4 * largest + int(2 * p / n), 0, 0
+        total = 4 * largest + int(18 * t / n) + int(2 * frozen / n)
+        weights = 4 * largest + int(2 * p / n)
+        gradients = int(4 * t / n)
+        return weights, gradients, total - weights - gradients
+    if setup.offload_optimizer and zero >= 1:
+        return 2 * p, 0, 0
+    if zero == 2:
+        total = 2 * p + int(18 * t / n)
+        gradients = int(MIXED_GRADS * t / n)
+        return 2 * p, gradients, total - 2 * p - gradients
+    optimizer = (MASTER + ADAM_STATES) * t
+    return 2 * p, MIXED_GRADS * t, int(optimizer / n) if zero == 1 else optimizer
+
+
+def _shard(weights: int, gradients: int, optimizer: int, zero: int, n: int, largest: int) -> tuple[int, int, int]:
+    """fp32 states sharded as ZeRO stage `zero` shards them over `n` GPUs."""
+    if zero >= 1:
+        optimizer = int(optimizer / n)
+    if zero >= 2:
+        gradients = int(gradients / n)
+    if zero == 3:
+        weights = 4 * largest + int(weights / n)
+    return weights, gradients, optimizer
+
+
+def activations(shape: Shape, setup: Setup) -> int:
+    """Bytes autograd keeps for the backward pass of one micro-batch (b x s tokens).
+    Per token and layer, a Llama block keeps about 11H + 3K + 4I values (H hidden, K the
+    KV width, I the MLP width: both RMSNorms' fp32 inputs and outputs, q/k/v and their
+    rotated copies, the attention output, the gate, up, activation and product of the
+    MLP), 2 bytes each in bf16 (9H + 3K + 4I at 4 bytes in fp32, where the norms need no
+    upcast). Fused attention keeps no s x s scores. With gradient checkpointing, each
+    layer keeps only its input (H per token) and one layer is recomputed at a time."""
+    h, k, i = shape.hidden, shape.kv_dim, shape.intermediate
+    per_layer = 2 * (11 * h + 3 * k + 4 * i) if setup.mixed_precision else 4 * (9 * h + 3 * k + 4 * i)
+    tokens = setup.batch * setup.seq
+    if setup.gradient_checkpointing:
+        return tokens * (shape.layers * h * (2 if setup.mixed_precision else 4) + per_layer)
+    return tokens * shape.layers * per_layer
+
+
+# Vocab-sized tensors per loss token at a step's peak, as TRL 1.16 computes them (measured:
+# bench/training_memory.py): SFT's logits, the loss's log-softmax and both their gradients,
+# and the entropy and token accuracy it logs; GRPO's logits, their temperature-scaled copy,
+# the selective log-softmax, the entropy, and the gradients.
+LOGIT_COPIES = {"sft": 8, "grpo": 11, "ppo": 11}
+
+
+def logits(shape: Shape, setup: Setup) -> int:
+    """Bytes of the vocab-sized tensors the loss needs: `LOGIT_COPIES` per loss token, the
+    first in the model's dtype and the rest in fp32 (the loss upcasts). SFT's loss covers
+    every token (b x s); GRPO's and PPO's only the completion (b x c: TRL's
+    `logits_to_keep`)."""
+    tokens = setup.batch * (setup.seq if setup.method == "sft" else (setup.completion or setup.seq))
+    first = 2 if setup.mixed_precision else 4
+    return tokens * shape.vocab * (first + 4 * (LOGIT_COPIES[setup.method] - 1))
+
+
+def generation(shape: Shape, setup: Setup) -> int:
+    """GRPO / PPO sampling: a colocated vLLM's share of the GPU, else transformers'
+    generate KV cache for the micro-batch (2 x layers x K x b x s values)."""
+    if setup.method == "sft":
+        return 0
+    if setup.vllm_share:
+        return int(setup.vllm_share * setup.gpu_bytes)
+    return 2 * shape.layers * shape.kv_dim * setup.batch * setup.seq * (2 if setup.mixed_precision else 4)
+
+
+def plan(config: dict, setup: Setup) -> Plan:
+    """Every part of one training setup's peak memory per GPU."""
+    s = shape(config)
+    p = s.params
+    t = s.lora_params(setup.lora_rank) if setup.lora_rank else p
+    n = setup.gpus * setup.nodes
+    frozen_dtype = 2 if setup.mixed_precision else 4
+    weights, gradients, optimizer = model_states(p + (t if setup.lora_rank else 0), t, s.largest_layer, setup)
+    states = weights + gradients + optimizer
+    # TRL's reference model: absent with beta 0, and with LoRA (the base with adapters off)
+    frozen_copy = int(frozen_dtype * p / n) if setup.zero == 3 else frozen_dtype * p
+    reference = frozen_copy if setup.method in ("grpo", "ppo") and setup.beta > 0 and not setup.lora_rank else 0
+    critic = states if setup.method == "ppo" else 0          # a value model as large as the policy, trained
+    reward_model = frozen_copy if setup.method == "ppo" else 0
+    acts, logit = activations(s, setup), logits(s, setup)
+    gen = generation(s, setup)
+    return Plan(params=p, trainable_params=t, largest_layer_params=s.largest_layer, weights_bytes=weights,
+                gradients_bytes=gradients, optimizer_bytes=optimizer, model_states_bytes=states,
+                reference_bytes=reference, critic_bytes=critic, reward_model_bytes=reward_model,
+                activations_bytes=acts, logits_bytes=logit, generation_bytes=gen,
+                total_bytes=states + reference + critic + reward_model + acts + logit + gen)
+
+
+def report(model: str, setup: Setup, *, gpu: str | None, gpus_file: str) -> dict:
+    """`posttrain memory`'s figures for a model folder (or config.json): the plan, and with
+    a GPU profile its memory and whether the plan fits. Bad input is a `UserError` naming
+    the flag."""
+    from posttrain.errors import UserError
+    from posttrain.kv import load_config_json
+    from posttrain.profiles import load_gpu_profile
+
+    where = "posttrain memory"
+    checks = [("--gpus", setup.gpus >= 1), ("--nodes", setup.nodes >= 1), ("--batch", setup.batch >= 1),
+              ("--seq", setup.seq >= 1), ("--lora-rank", setup.lora_rank >= 0), ("--beta", setup.beta >= 0),
+              ("--completion", setup.completion is None or 1 <= setup.completion <= setup.seq),
+              ("--vllm-share", 0 <= setup.vllm_share < 1)]
+    for flag, good in checks:
+        if not good:
+            raise UserError(f"{where} {flag}", "out of range", "see 'posttrain memory --help' (counts are whole "
+                            "numbers >= 1, the completion at most --seq, --vllm-share a fraction below 1)")
+    if setup.offload_params and setup.zero != 3:
+        raise UserError(f"{where} --offload-params", "only ZeRO-3 shards and offloads the weights", "add --zero 3")
+    if setup.vllm_share and not gpu:
+        raise UserError(f"{where} --vllm-share", "a share of which GPU?", "name it with --gpu")
+    gpu_bytes = int(load_gpu_profile(gpus_file, gpu)["memory_gib"] * GIB) if gpu else 0
+    try:
+        config = load_config_json(model)
+        figures = plan(config, Setup(**{**asdict(setup), "gpu_bytes": gpu_bytes})).as_dict()
+    except FileNotFoundError:
+        raise UserError(model, "no config.json found", "pass a model folder or a config.json path") from None
+    except (KeyError, ValueError, TypeError) as err:
+        detail = f"no {err}" if isinstance(err, KeyError) else str(err)[:240]
+        raise UserError(model, f"cannot plan this model ({detail})", "pass a dense decoder's config.json") from None
+    if gpu:
+        figures.update(gpu=gpu, gpu_bytes=gpu_bytes, fits=figures["total_bytes"] <= gpu_bytes)
+    return figures

@@ -1,0 +1,152 @@
+"""The training-memory plan (posttrain/memory.py) against what no one here wrote: published
+parameter counts, DeepSpeed's own ZeRO estimators, accelerate's model sizes; and
+`posttrain memory` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hardening import assert_refused, cli
+from posttrain.memory import GIB, Setup, plan, shape
+
+# Published configs (config.json fields the plan reads) and their published parameter counts.
+SHAPES = {
+    "Qwen2.5-0.5B": ({"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "num_hidden_layers": 24,
+                      "num_attention_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864,
+                      "tie_word_embeddings": True}, 494_032_768),
+    "Mistral-7B": ({"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
+                    "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+                    "tie_word_embeddings": False}, 7_241_732_096),
+    "Qwen2.5-7B": ({"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "num_hidden_layers": 28,
+                    "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944,
+                    "tie_word_embeddings": False}, 7_615_616_512),
+    "Llama-3.1-8B": ({"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "num_hidden_layers": 32,
+                      "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+                      "tie_word_embeddings": False, "attention_bias": False}, 8_030_261_248),
+    "Llama-3.1-70B": ({"model_type": "llama", "vocab_size": 128256, "hidden_size": 8192, "num_hidden_layers": 80,
+                       "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": 28672,
+                       "tie_word_embeddings": False, "attention_bias": False}, 70_553_706_496),
+}
+LAYOUTS = [(1, 1), (8, 1), (8, 4), (4, 2)]  # (GPUs per node, nodes)
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_parameter_counts_match_the_published_ones(name):
+    config, published = SHAPES[name]
+    assert shape(config).params == published
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_model_states_equal_deepspeeds_estimators(name):
+    """ZeRO-2 and ZeRO-3, with and without offload, on 1 to 32 GPUs: the same bytes per GPU
+    as DeepSpeed's `estimate_zero{2,3}_model_states_mem_needs` (importable without a GPU)."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    config, params = SHAPES[name]
+    largest = shape(config).largest_layer
+    for gpus, nodes in LAYOUTS:
+        for offload in (False, True):
+            ours = plan(config, Setup(zero=2, gpus=gpus, nodes=nodes, offload_optimizer=offload)).model_states_bytes
+            _, theirs = estimate_zero2_model_states_mem_needs(params, gpus, nodes, cpu_offload=offload)
+            assert ours == theirs, (name, gpus, nodes, offload)
+        for offload, offload_params in [(False, False), (True, False), (True, True)]:
+            ours = plan(config, Setup(zero=3, gpus=gpus, nodes=nodes, offload_optimizer=offload,
+                                      offload_params=offload_params)).model_states_bytes
+            _, theirs, _ = estimate_zero3_model_states_mem_needs(params, largest, gpus, nodes, cpu_offload=offload,
+                                                                 cpu_offload_params=offload_params)
+            assert ours == theirs, (name, gpus, nodes, offload, offload_params)
+
+
+def test_the_size_agrees_with_accelerate():
+    """accelerate's own sizes of the model built empty from the config (what `accelerate
+    estimate-memory` reads from the hub): fp32 weights are 4P (plus the rotary buffer it
+    counts too), and training with Adam 4x that, as posttrain's fp32 model states. An
+    untied model: accelerate counts a tied output head a second time."""
+    from accelerate import init_empty_weights
+    from accelerate.utils import calculate_maximum_sizes
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config, params = SHAPES["Mistral-7B"]
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    total, (largest_bytes, _) = calculate_maximum_sizes(model)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert total - buffers == 4 * params
+    assert plan(config, Setup(mixed_precision=False)).model_states_bytes == 4 * (total - buffers)  # "training using Adam"
+    assert largest_bytes >= 4 * shape(config).largest_layer      # a block of layers, at least the embedding
+
+
+def test_what_each_setting_changes():
+    config, params = SHAPES["Qwen2.5-0.5B"]
+    base = plan(config, Setup(method="grpo", beta=0.04, batch=8, seq=1024, completion=512))
+    assert base.reference_bytes == 2 * params                                      # a bf16 copy
+    assert plan(config, Setup(method="grpo", beta=0.0)).reference_bytes == 0       # TRL drops it at beta 0
+    lora = plan(config, Setup(method="grpo", beta=0.04, lora_rank=16))
+    assert lora.reference_bytes == 0 and lora.trainable_params < params / 50       # adapters off = the reference
+    assert lora.gradients_bytes == 6 * lora.trainable_params
+    checkpointed = plan(config, Setup(batch=8, seq=1024, gradient_checkpointing=True))
+    assert checkpointed.activations_bytes < plan(config, Setup(batch=8, seq=1024)).activations_bytes / 5
+    sft = plan(config, Setup(method="sft", batch=8, seq=1024))
+    grpo = plan(config, Setup(method="grpo", batch=8, seq=1024, completion=512))
+    vocab = config["vocab_size"]
+    assert sft.logits_bytes == 8 * 1024 * vocab * (2 + 4 * 7)        # every token; 8 vocab-sized tensors
+    assert grpo.logits_bytes == 8 * 512 * vocab * (2 + 4 * 10)       # the completion only; 11 of them
+    assert sft.generation_bytes == 0
+    colocated = plan(config, Setup(vllm_share=0.3, gpu_bytes=80 * GIB))
+    assert colocated.generation_bytes == int(0.3 * 80 * GIB)
+    for p in (base, lora, checkpointed, sft, colocated):
+        parts = ("model_states", "reference", "critic", "reward_model", "activations", "logits", "generation")
+        assert p.total_bytes == sum(getattr(p, f"{part}_bytes") for part in parts)
+        assert p.model_states_bytes == p.weights_bytes + p.gradients_bytes + p.optimizer_bytes
+
+
+def test_critic_free_grpo_against_ppo_for_70b():
+    """bf16 with AdamW before sharding, and per GPU on 8 x H100-80GB with ZeRO-3: PPO holds a
+    trained critic and a frozen reward model besides the policy and the reference."""
+    config, params = SHAPES["Llama-3.1-70B"]
+    setups = {"ppo": Setup(method="ppo", beta=0.04), "grpo": Setup(method="grpo", beta=0.04),
+              "grpo_beta0": Setup(method="grpo", beta=0.0)}
+    states = {k: (p.model_states_bytes + p.reference_bytes + p.critic_bytes + p.reward_model_bytes)
+              for k, s in setups.items() for p in [plan(config, s)]}
+    assert states["ppo"] > 600e9
+    assert states["ppo"] - states["grpo"] == 20 * params + 2 * params     # the critic's states and the reward model
+    assert states["grpo"] - states["grpo_beta0"] == 2 * params            # the reference
+    sharded = plan(config, Setup(method="grpo", beta=0.04, zero=3, gpus=8))
+    assert sharded.model_states_bytes + sharded.reference_bytes < states["grpo"] / 7
+
+
+def test_the_command_prints_the_plan(tmp_path):
+    config, params = SHAPES["Qwen2.5-0.5B"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    done = cli("memory", tmp_path, "--method", "grpo", "--beta", "0.04", "--batch", "8", "--seq", "1024",
+               "--gpu", "H100-80GB", "--json")
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(done.stdout)
+    for key in ("weights_bytes", "gradients_bytes", "optimizer_bytes", "reference_bytes", "activations_bytes",
+                "logits_bytes", "generation_bytes", "model_states_bytes", "total_bytes"):
+        assert isinstance(figures[key], int) and figures[key] >= 0, key
+    assert figures["params"] == params and figures["fits"] is True
+    text = cli("memory", tmp_path, "--zero", "3", "--gpus", "8")
+    assert text.returncode == 0 and "model_states_bytes" in text.stdout and "GiB" in text.stdout
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--gpus", "0"], ["--gpus", "out of range"]),
+    (["--completion", "5000", "--seq", "1024"], ["--completion"]),
+    (["--offload-params"], ["--offload-params", "--zero 3"]),
+    (["--vllm-share", "0.3"], ["--vllm-share", "--gpu"]),
+    (["--gpu", "Z80"], ["unknown GPU profile"]),
+    (["--zero", "4"], ["--zero"]),
+])
+def test_bad_input_is_one_line(args, needles, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(SHAPES["Qwen2.5-0.5B"][0]))
+    assert_refused(cli("memory", tmp_path, *args), *needles)
+
+
+def test_a_model_it_cannot_plan_is_one_line(tmp_path):
+    assert_refused(cli("memory", tmp_path / "nowhere"), "no config.json")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 768}))
+    assert_refused(cli("memory", tmp_path), "gpt2", "dense decoder")
