@@ -173,9 +173,10 @@ def join_stage(args) -> int:
     """`posttrain join`: this node's ranks of the stage's next launched training job."""
     from posttrain.config import load_config
     from posttrain.launch import join
+    from posttrain.machine import training_stages
 
     config = load_config(args.config, check_trl=False)
-    names = ["sft", *(f"grpo@{name}" for name in config.grpo)]
+    names = [stage for stage, _ in training_stages(config)]
     if args.stage not in names:
         raise UserError("posttrain join --stage", f"no training stage {args.stage!r} in {args.config}",
                         f"use one of {names}")

@@ -29,6 +29,7 @@ import hashlib
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -38,6 +39,7 @@ from posttrain import lifetime
 from posttrain.errors import TrainingFailed, UserError
 from posttrain.files import read_json, write_json
 from posttrain.machine import rdzv_endpoint
+from posttrain.probe import free_port
 from posttrain.redact import redact_text
 
 LAUNCH_DIR = "launch"          # inside a stage's checkpoint run folder
@@ -68,14 +70,6 @@ def command(launcher, *, node_rank: int = 0, job: str | None = None, where: str 
     return [*cmd, "-m", "posttrain.launch", *([job] if job else [])]
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch_env() -> dict[str, str]:
     """The ranks' environment: this one, on the CPU where there is no CUDA (gloo)."""
     import torch
@@ -95,13 +89,9 @@ def train(config, stage: str, function: str, job: dict) -> dict:
     import mlflow
 
     folder = Path(job["run_dir"]) / LAUNCH_DIR
-    for old in ("result.json", "ranks", "errors"):  # a resumed job's reports are the new ones
-        path = folder / old
-        if path.is_dir():
-            for child in path.iterdir():
-                child.unlink()
-        elif path.exists():
-            path.unlink()
+    for old in ("ranks", "errors"):  # a resumed job's reports are the new ones
+        shutil.rmtree(folder / old, ignore_errors=True)
+    (folder / "result.json").unlink(missing_ok=True)
     run = mlflow.active_run()
     write_json(folder / "job.json", {"config": config.model_dump(mode="json", by_alias=True), "function": function,
                                      "job": job, "stage": stage, "cwd": os.getcwd(),

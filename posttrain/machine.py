@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from posttrain.errors import UserError
+from posttrain.probe import http_problem
 from posttrain.yamlfile import show
 
 SERVER_TIMEOUT_S = 5.0
@@ -150,20 +151,9 @@ def vllm_problem(trl: dict, *, cuda: bool, vllm: str | None, supported: str,
     if mode == "server":
         url = trl.get("vllm_server_base_url") or \
             f"http://{trl.get('vllm_server_host', '0.0.0.0')}:{trl.get('vllm_server_port', 8000)}"
-        if not answers(f"{url.rstrip('/')}/health", timeout):  # what TRL's VLLMClient polls
+        problem = http_problem(f"{url.rstrip('/')}/health", timeout)  # what TRL's VLLMClient polls
+        if problem:
             option = "vllm_server_base_url" if trl.get("vllm_server_base_url") else "vllm_server_host"
-            return (option, f"the vLLM server {show(url)} does not answer", "start it first (`trl vllm-serve --model "
-                    "MODEL`, infra/slurm/train.sbatch) or correct the URL")
+            return (option, f"the vLLM server {show(url)} does not answer ({problem})", "start it first (`trl "
+                    "vllm-serve --model MODEL`, infra/slurm/train.sbatch) or correct the URL")
     return None
-
-
-def answers(url: str, timeout: float) -> bool:
-    """Whether an HTTP GET of `url` gets a 2xx within `timeout` seconds."""
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return 200 <= response.status < 300
-    except (urllib.error.URLError, OSError, ValueError):
-        return False

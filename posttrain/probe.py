@@ -21,6 +21,13 @@ TIMEOUT_S = 3.0
 DATABASE_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at `host` now (for a server or rendezvous started next)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def http_problem(url: str, timeout: float = TIMEOUT_S) -> str | None:
     """Why GET `url` got no usable answer ('connection refused', 'HTTP 503', ...), None when
     it did. Any answer below 500 means a server is there (auth and routes are its business);

@@ -122,9 +122,7 @@ def pin_model_path(config: dict) -> dict:
     """The config with a relative `model.path` made absolute from the current folder,
     where `posttrain check` found it: the workspace's stages run elsewhere."""
     path = (config.get("model") or {}).get("path")
-    if isinstance(path, str) and path and not Path(path).is_absolute():
-        return {**config, "model": {**config["model"], "path": str(Path(path).resolve())}}
-    return config
+    return {**config, "model": {**config["model"], "path": _absolute(path)}} if _relative(path) else config
 
 
 def workspace_params(config: dict) -> dict:
@@ -145,9 +143,15 @@ def workspace_params(config: dict) -> dict:
 
 def _pin_launcher(launcher):
     file = launcher.get("accelerate_config") if isinstance(launcher, dict) else None
-    if isinstance(file, str) and file and not Path(file).is_absolute():
-        return {**launcher, "accelerate_config": str(Path(file).resolve())}
-    return launcher
+    return {**launcher, "accelerate_config": _absolute(file)} if _relative(file) else launcher
+
+
+def _relative(path) -> bool:
+    return isinstance(path, str) and bool(path) and not Path(path).is_absolute()
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).resolve())
 
 
 def prepare(workdir: str | Path, config: dict) -> Path:

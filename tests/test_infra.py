@@ -20,7 +20,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,8 @@ from pathlib import Path
 import jsonpatch
 import pytest
 import yaml
+
+from posttrain.probe import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 INFRA = REPO / "infra"
@@ -512,11 +513,6 @@ def test_sbatch_script_is_valid_bash_with_its_directives_first():
     done = subprocess.run(["bash", str(SBATCH), "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "sbatch --nodes=N infra/slurm/train.sbatch" in done.stdout
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 STUB_SRUN = """#!/bin/bash

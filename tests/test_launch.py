@@ -116,7 +116,7 @@ def test_a_failing_rank_fails_the_stage_in_one_line(two_ranks, tmp_path):
 def test_a_second_node_joins_with_posttrain_join(tmp_path):
     """Two "nodes" of one process each on this machine: node 0 runs the SFT stage, node 1
     joins it; one job of world size 2 over a static rendezvous."""
-    from posttrain.launch import free_port
+    from posttrain.probe import free_port
 
     port = free_port()
     launcher = {"type": "torchrun", "processes": 1, "nodes": 2, "rdzv_endpoint": f"127.0.0.1:{port}"}
@@ -240,7 +240,7 @@ class Health(http.server.BaseHTTPRequestHandler):
 def test_vllm_generation_options_against_the_machine():
     """Each refusal with the facts of a machine: no CUDA, no vLLM, one outside TRL's range,
     a server that does not answer, and one that does (a real HTTP server on loopback)."""
-    from posttrain.launch import free_port
+    from posttrain.probe import free_port
     from posttrain.machine import trl_vllm_requirement
 
     supported = trl_vllm_requirement()
