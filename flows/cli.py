@@ -96,6 +96,10 @@ def servers_and_config(command: str, config_path: str, *, temporary_prefect: boo
     check_tracking(env_tracking, command=command)
     check_prefect(env_prefect, command=command, temporary_ok=temporary_prefect)
     config = load_config(config_path)
+    if command == "run":
+        from posttrain import fit
+
+        fit.check(config_path, config)  # every training stage fits training.gpu: before any server or compute
     if not env_tracking:
         check_tracking(config.tracking.uri, command=command, source=f"tracking.uri in {config_path}")
     if not env_prefect:

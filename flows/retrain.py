@@ -22,8 +22,8 @@ from posttrain.tracking import run_link, tracking_uri
 from tasks.data import previous_result, version_data
 from tasks.dvc_stages import push_data, record_stage, repro_stage, stage_order, start_stage_run
 from tasks.recovery import mark_dead_runs
-from tasks.runs import (close_run, gate_tags, open_parent_run, promote_model, publish_summary, read_outcomes,
-                        record_results)
+from tasks.runs import (close_run, gate_tags, open_parent_run, plan_memory, promote_model, publish_summary,
+                        read_outcomes, record_results)
 
 
 @flow(name="retrain")
@@ -63,6 +63,7 @@ def run_pipeline(config, workdir: str, uri: str) -> tuple[dict, str]:
     the parent run ends FAILED when any of it fails."""
     run_id, experiment = open_parent_run(config, workdir, uri)
     try:
+        plan_memory(config, workdir, run_id, uri)
         stages = stage_order(workdir)
         results = {stage["name"]: run_stage(config, stage, workdir, run_id, uri) for stage in stages}
         metrics = record_results(run_id, workdir, uri, results)

@@ -88,14 +88,21 @@ def add_kv_parser(sub) -> None:
 
 
 def add_memory_parser(sub) -> None:
-    memory = sub.add_parser("memory", help="training memory per GPU of a model, from its config.json",
+    memory = sub.add_parser("memory", help="training memory per GPU of a model (its config.json), or of every "
+                            "training stage of a pipeline (--config)",
                             description="Per GPU: weights, gradients, optimizer states (DeepSpeed's arithmetic), "
-                                        "reference model, activations, logits, generation (posttrain/memory.py)")
-    memory.add_argument("model", help="model folder or config.json")
+                                        "reference model, activations, logits, generation (posttrain/memory.py); "
+                                        "with --config, each training stage as it will run (posttrain/fit.py)")
+    memory.add_argument("model", nargs="?", help="model folder or config.json")
+    memory.add_argument("--config", help="a pipeline config: plan its SFT and GRPO stages from their trl:, peft: "
+                        "and launcher settings against training.gpu (no other flag applies)")
     memory.add_argument("--method", choices=["sft", "grpo", "ppo"], default="grpo")
     memory.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (FSDP: 3)")
     memory.add_argument("--gpus", type=int, default=1, help="GPUs per node")
     memory.add_argument("--nodes", type=int, default=1)
+    memory.add_argument("--engine", choices=["trainer", "deepspeed"], help="who holds the weights: the Trainer "
+                        "(fp32 weights under bf16 autocast, as TRL loads them; with --zero 3: FSDP) or DeepSpeed (bf16 "
+                        "weights, fp32 master copy); default: deepspeed for --zero 1-3, else trainer")
     memory.add_argument("--offload-optimizer", action="store_true")
     memory.add_argument("--offload-params", action="store_true", help="ZeRO-3: the weights too")
     memory.add_argument("--lora-rank", type=int, default=0, help="0: every weight trains")
@@ -104,7 +111,11 @@ def add_memory_parser(sub) -> None:
     memory.add_argument("--seq", type=int, default=1024, help="tokens per sequence (prompt + completion)")
     memory.add_argument("--completion", type=int, help="completion tokens (GRPO, PPO; default --seq)")
     memory.add_argument("--gradient-checkpointing", action="store_true")
-    memory.add_argument("--fp32", action="store_true", help="train in fp32 (CPUs) instead of bf16 mixed precision")
+    memory.add_argument("--fp32", action="store_true", help="train in fp32 instead of bf16 mixed precision")
+    memory.add_argument("--cpu", action="store_true", help="plan a run on CPUs, as posttrain trains there (fp32, "
+                        "PyTorch ops where a GPU runs TRL's Triton kernels); bytes are then of host memory")
+    memory.add_argument("--optim", default="adamw_torch_fused", help="transformers optimizer name: an 8-bit one "
+                        "(e.g. adamw_bnb_8bit) keeps 2 bytes of moments per trained weight, sgd none, AdamW 8")
     memory.add_argument("--vllm-share", type=float, default=0.0, help="colocated vLLM's share of the GPU")
     memory.add_argument("--gpu", help="GPU profile: adds its memory and whether the plan fits")
     memory.add_argument("--gpus-file", default=str(PACKAGED_PROFILES), help="GPU profiles file")
@@ -115,8 +126,10 @@ def dispatch(args) -> int:
     from posttrain.config import load_config
 
     if args.command == "check":
-        load_config(args.config, here=not args.elsewhere)
-        print(f"{args.config}: ok{' (this machine not checked)' if args.elsewhere else ''}")
+        from posttrain import fit
+
+        fits = fit.check(args.config, load_config(args.config, here=not args.elsewhere))
+        print(f"{args.config}: ok{'; ' + fits if fits else ''}{' (this machine not checked)' if args.elsewhere else ''}")
     elif args.command == "join":
         return join_stage(args)
     elif args.command == "stage":
@@ -166,6 +179,8 @@ def run_stage(args) -> None:
     if args.stage == "grpo" and kwargs["name"] not in config.grpo:
         raise UserError(f"{where} --name", f"no GRPO stage {kwargs['name']!r} in {config_path}",
                         f"use one of {list(config.grpo)}")
+    if args.stage in ("sft", "grpo"):
+        kwargs["config_path"] = config_path  # for the memory plan: gpus.yaml beside the config
     print(json.dumps(main(config, **kwargs), indent=2, sort_keys=True))
 
 
@@ -195,7 +210,8 @@ def stage_flags(stage: str) -> list[str]:
     source = importlib.util.find_spec(f"posttrain.stages.{stage}").origin
     tree = ast.parse(Path(source).read_text())
     main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
-    return [arg.arg for arg in main.args.kwonlyargs]
+    required = [arg for arg, default in zip(main.args.kwonlyargs, main.args.kw_defaults) if default is None]
+    return [arg.arg for arg in required]
 
 
 def print_kv(args) -> None:
@@ -215,12 +231,17 @@ def print_kv(args) -> None:
 
 def print_memory(args) -> None:
     """`posttrain memory`: the plan (posttrain.memory) as JSON or aligned lines in GiB."""
-    from posttrain.memory import GIB, Setup, report
+    from posttrain.memory import GIB, Setup, optimizer_state_bytes, report
 
-    setup = Setup(method=args.method, zero=args.zero, gpus=args.gpus, nodes=args.nodes,
+    if args.config is not None:
+        return print_pipeline_memory(args)
+    if args.model is None:
+        raise UserError("posttrain memory", "no model given", "pass a model folder (or config.json), or --config FILE")
+    setup = Setup(optimizer_state_bytes=optimizer_state_bytes(args.optim), engine=args.engine, method=args.method, zero=args.zero, gpus=args.gpus, nodes=args.nodes,
                   offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
                   lora_rank=args.lora_rank, beta=args.beta, batch=args.batch, seq=args.seq, completion=args.completion,
-                  gradient_checkpointing=args.gradient_checkpointing, mixed_precision=not args.fp32,
+                  gradient_checkpointing=args.gradient_checkpointing,
+                  mixed_precision=not (args.fp32 or args.cpu), cpu=args.cpu,
                   vllm_share=args.vllm_share)
     figures = report(args.model, setup, gpu=args.gpu, gpus_file=args.gpus_file)
     if args.json:
@@ -231,6 +252,43 @@ def print_memory(args) -> None:
         shown = f"{value / GIB:,.2f} GiB" if key.endswith("_bytes") else \
             (f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value))
         print(f"{key:<{width}}  {shown}")
+
+
+def print_pipeline_memory(args) -> None:
+    """`posttrain memory --config FILE`: every training stage's plan (posttrain.fit), as
+    JSON (what reports/memory.json holds) or one line per stage."""
+    from posttrain.config import load_config, prompt_chars
+    from posttrain.fit import pipeline_plan
+
+    defaults = vars(build_parser().parse_args(["memory"]))
+    given = [f"--{a.replace('_', '-')}" for a in ("model", "method", "zero", "gpus", "nodes", "offload_optimizer",
+             "offload_params", "engine", "lora_rank", "beta", "batch", "seq", "completion", "gradient_checkpointing", "fp32", "cpu",
+             "optim", "vllm_share", "gpu") if getattr(args, a) != defaults[a]]
+    if given:
+        raise UserError(f"posttrain memory {given[0].replace('--model', 'MODEL')}", "--config plans each stage as its config says",
+                        "leave out the flag, or change the config (training.gpu, the stage's trl:, peft:, launcher:)")
+    config = load_config(args.config, here=False)
+    figures = pipeline_plan(config, config_path=args.config, prompt_chars=prompt_chars(config))
+    if args.json:
+        print(json.dumps(figures, sort_keys=True))
+        return
+    for stage, plan in figures["stages"].items():
+        parts = ", ".join(f"{key[:-6]} {size(plan[key])}" for key in PLAN_PARTS if plan[key])
+        verdict = "" if plan["fits"] is None else \
+            (f" of {size(plan['budget_bytes'])}: fits" if plan["fits"] else
+             f" of {size(plan['budget_bytes'])}: DOES NOT FIT; the cheapest that fits: {plan['fix']}")
+        print(f"{stage}: {size(plan['total_bytes'])} per GPU{verdict} ({parts})")
+
+
+def size(n: int) -> str:
+    """Bytes in GiB, or MiB below one GiB."""
+    from posttrain.memory import GIB
+
+    return f"{n / GIB:,.2f} GiB" if n >= GIB else f"{n / 2**20:,.1f} MiB"
+
+
+PLAN_PARTS = ("weights_bytes", "gradients_bytes", "optimizer_bytes", "reference_bytes", "activations_bytes",
+              "logits_bytes", "generation_bytes")
 
 
 def check_stats_options(args) -> None:

@@ -311,6 +311,24 @@ class StatsSection(Section):
                                      description="Bootstrap resamples (seeded by `seed`) for pass@k intervals and tests.")
 
 
+class TrainingSection(Section):
+    """The GPUs the training stages run on. With `gpu` set, `posttrain check`, `posttrain
+    run` and each training stage refuse a stage whose predicted peak memory per GPU
+    (posttrain/fit.py) exceeds the profile's memory less its reserve, naming the cheapest
+    fix. Not a DVC param: declaring another GPU retrains nothing."""
+    gpu: str | None = Field(None, description="GPU profile (gpus.yaml beside the config, else the package's); "
+                                              "null: no memory check (each stage still logs its plan).")
+    num_gpus: int | None = Field(None, ge=1, le=1024, description="GPUs per node the job has: at least every "
+                                 "stage's launcher.processes; fixes may propose ZeRO-3 over all of them. null: "
+                                 "the launcher's processes.")
+
+    @model_validator(mode="after")
+    def _a_gpu_for_the_count(self):
+        if self.num_gpus is not None and self.gpu is None:
+            raise invalid("num_gpus counts GPUs of a profile, and gpu is null", "set training.gpu, e.g. H100-80GB")
+        return self
+
+
 class OrchestrationSection(Section):
     retries: int = Field(1, ge=0, description="Prefect retries of a failed stage task.")
     retry_delay_seconds: float = Field(5, ge=0, description="Wait between retries.")
@@ -321,6 +339,7 @@ class PipelineConfig(Section):
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
     launcher: LauncherSection = LauncherSection()
+    training: TrainingSection = TrainingSection()
     sft: SFTSection = SFTSection()
     grpo: dict[str, GRPOStage] = Field(..., min_length=1, description="GRPO stages by name, run in order.")
     gate: GateSection = GateSection()
@@ -397,7 +416,9 @@ def _deep_merge(base: dict, override: dict) -> dict:
 
 def load_config(path: str | Path, *, check_trl: bool = True, here: bool = True) -> PipelineConfig:
     """Read, merge, and validate a pipeline config; raises `UserError` on any problem.
-    `here`: also whether this machine can run its training (posttrain.machine)."""
+    `here`: also whether this machine can run its training (posttrain.machine). Whether
+    each training stage fits `training.gpu` is `posttrain.fit.check`'s, called by `check`,
+    `run` and the training stages (only they import the memory arithmetic)."""
     path = Path(path)
     raw = read_config_dict(path)
     try:
@@ -428,9 +449,7 @@ def _check_semantics(path: Path, config: PipelineConfig) -> None:
     _check_grpo_names(path, config)
     _check_serving(path, config)
     heads, kv_heads, positions = model_shape(path, config)
-    longest = max(len(r["prompt"]) for split in rows.values() for r in split)
-    if _check_chat(path, config):  # the prompt as generation sees it: inside the chat template
-        longest = _longest_rendered(config, getattr(env, "system", None), rows)
+    longest = prompt_chars(config, env, rows, check_chat=lambda: _check_chat(path, config))
     _check_tensor_parallel(path, config.serving.tensor_parallel_size, heads, kv_heads)
     _check_lengths(path, config, longest, positions)
     if not known_metric(config, config.promotion.metric):
@@ -510,9 +529,26 @@ def _check_serving(path: Path, config: PipelineConfig) -> None:
                         "keep session lengths within the context length")
     gpus = profiles_path(path.parent)
     profiles = load_profiles(gpus)
-    for field, gpu in [("serving.gpu", serving.gpu), ("serving.slo.gpu", serving.slo.gpu)]:
+    for field, gpu in [("serving.gpu", serving.gpu), ("serving.slo.gpu", serving.slo.gpu),
+                       ("training.gpu", config.training.gpu)]:
         if gpu is not None and gpu not in profiles:
             raise UserError(f"{path}: {field}", f"unknown GPU profile {show(gpu)} in {gpus}", f"use one of {sorted(profiles)}")
+
+
+def prompt_chars(config: PipelineConfig, env=None, rows: dict[str, list[dict]] | None = None, *,
+                 check_chat=None) -> int:
+    """Characters of the longest prompt of every split, inside the chat template with
+    `data.chat` (an upper bound of its tokens); the environment's splits are generated
+    when not given."""
+    if env is None:
+        from posttrain.envs import get_env
+
+        env = get_env(config.data.env, **config.data.options)
+        rows = env.generate(config.seed)
+    chat = check_chat() if check_chat else config.data.chat
+    if chat:  # the prompt as generation sees it
+        return _longest_rendered(config, getattr(env, "system", None), rows)
+    return max(len(r["prompt"]) for split in rows.values() for r in split)
 
 
 def _check_chat(path: Path, config: PipelineConfig) -> bool:

@@ -12,8 +12,9 @@ import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from posttrain.modelconfig import GIB, head_counts, load_config_json, positive, text_config  # noqa: F401 (re-exported)
+
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
-GIB = 2**30
 ATTENTION_LAYERS = {"full_attention", "attention", "sliding_attention", "chunked_attention"}
 
 
@@ -35,35 +36,6 @@ class KVSpec:
         """KV bytes one session of `tokens` tokens holds (sliding layers keep a window)."""
         window = min(tokens, self.sliding_window or tokens)
         return self.bytes_per_token_per_layer * (self.full_layers * tokens + self.sliding_layers * window)
-
-
-def text_config(config: dict) -> dict:
-    """The language model's part of a (possibly multimodal) config; ValueError when it is
-    not a JSON object."""
-    cfg = (config.get("text_config") or config) if isinstance(config, dict) else config
-    if not isinstance(cfg, dict):
-        raise ValueError("the config is not a JSON object")
-    return cfg
-
-
-def positive(cfg: dict, field: str, default=None) -> int:
-    """`cfg[field]` (`default` where it is absent or null) as a whole number >= 1; KeyError
-    when absent without a default, ValueError when not such a number."""
-    value = default if default is not None and cfg.get(field) is None else cfg[field]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value != int(value) or value < 1:
-        raise ValueError(f"{field} must be a whole number of at least 1, got {value!r}")
-    return int(value)
-
-
-def head_counts(config: dict) -> tuple[int, int]:
-    """(query heads, KV heads): both at least 1, and the KV heads dividing the query heads."""
-    cfg = text_config(config)
-    heads = positive(cfg, "num_attention_heads")
-    kv_heads = positive(cfg, "num_key_value_heads", heads)
-    if heads % kv_heads:
-        raise ValueError(f"num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}")
-    return heads, kv_heads
 
 
 def tp_fits(config: dict, tp: int) -> bool:
@@ -114,13 +86,6 @@ def kv_spec(config: dict, *, tp: int = 1, kv_dtype: str = "auto") -> KVSpec:
     sliding = sum(t in {"sliding_attention", "chunked_attention"} for t in types) if window else 0
     full = sum(t in ATTENTION_LAYERS for t in types) - sliding
     return KVSpec(full, sliding, window if sliding else None, len(types) - full - sliding, per_layer)
-
-
-def load_config_json(model: str | Path) -> dict:
-    """`config.json` from a model folder or the file itself."""
-    path = Path(model)
-    path = path / "config.json" if path.is_dir() else path
-    return json.loads(path.read_text())
 
 
 def estimate_params(config: dict) -> int:

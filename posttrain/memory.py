@@ -19,7 +19,9 @@ parameter of 16-bit and fp32 gradients (6), fp32 master weights (4) and Adam's t
     zero 3, offload  4L + 2P/N; with params offloaded too, 4L
 
 fp32 training (the CPU default) keeps 4 bytes of weights, 4 of gradients and 8 of Adam per
-parameter, no 16-bit copies. The other parts are stated per function: the reference
+parameter, no 16-bit copies; so does the Trainer without DeepSpeed on a GPU, since TRL 1.x
+loads models in float32 and trains them under bf16 autocast (plus the bf16 copies of the
+trained weights autocast keeps for the backward pass, 2T): `Setup.engine` tells them apart. The other parts are stated per function: the reference
 model, activations (with and without gradient checkpointing), the vocab-sized tensors the
 loss needs, and generation (a colocated vLLM's share of the GPU, or transformers' KV
 cache); bench/training_memory.py measures the whole against real TRL steps on the CPU.
@@ -29,12 +31,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from posttrain.kv import GIB, head_counts, positive, text_config
+from posttrain.modelconfig import GIB, head_counts, positive, text_config
 
 DECODERS = {"llama", "mistral", "qwen2", "qwen3"}  # dense decoders: gate/up/down MLP, GQA attention
 ADAM_STATES = 8      # bytes per trained parameter: Adam's two fp32 moments
 MIXED_GRADS = 6      # 16-bit and fp32 gradients (DeepSpeed's count)
 MASTER = 4           # fp32 master weights in mixed precision
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # Shape.linears order
+LINEARS = frozenset(LINEAR_NAMES)
 
 
 @dataclass(frozen=True)
@@ -75,10 +79,11 @@ class Shape:
         """L: the parameters of the largest single module (as DeepSpeed's `model_to_params`)."""
         return max([self.vocab * self.hidden] + [i * o for i, o in self.linears()])
 
-    def lora_params(self, rank: int) -> int:
-        """T of a LoRA adapter of rank `rank` on every linear of every layer (`all-linear`):
-        r x (in + out) per module."""
-        return self.layers * sum(rank * (i + o) for i, o in self.linears())
+    def lora_params(self, rank: int, modules: frozenset[str] = LINEARS) -> int:
+        """T of a LoRA adapter of rank `rank` on the named linears of every layer (all of
+        them: peft's `all-linear`): r x (in + out) per module."""
+        return self.layers * sum(rank * (i + o) for name, (i, o) in zip(LINEAR_NAMES, self.linears())
+                                 if name in modules)
 
 
 def shape(config: dict) -> Shape:
@@ -107,14 +112,26 @@ class Setup:
     offload_optimizer: bool = False
     offload_params: bool = False    # ZeRO-3 only
     lora_rank: int = 0              # 0: every weight trains
+    lora_modules: frozenset[str] = LINEARS  # the linears LoRA adapts (LINEAR_NAMES)
+    optimizer_state_bytes: int = ADAM_STATES  # per trained parameter: AdamW's fp32 moments 8, 8-bit 2, SGD 0
     beta: float = 0.0               # KL weight: > 0 keeps a reference model (GRPO, PPO)
     batch: int = 1                  # b: sequences per micro-batch per GPU
     seq: int = 1024                 # s: tokens per sequence (prompt + completion)
     completion: int | None = None   # c: completion tokens (GRPO's logits); None: s
     gradient_checkpointing: bool = False
-    mixed_precision: bool = True    # bf16 with fp32 master weights (GPU); False: fp32 (CPU)
+    mixed_precision: bool = True    # bf16 compute (GPU); False: fp32 (CPU)
+    engine: str | None = None       # deepspeed (16-bit weights, fp32 master) | trainer (the Trainer without
+                                    # DeepSpeed, FSDP as zero 3: fp32 weights under bf16 autocast); None: deepspeed
+                                    # for zero >= 1, else trainer
+    cpu: bool = False               # on CPUs: PyTorch ops where a GPU runs TRL's Triton kernels
     vllm_share: float = 0.0         # colocated vLLM's share of the GPU (GRPO generation)
     gpu_bytes: int = 0              # the GPU's memory, for the vLLM share and the budget
+
+
+def optimizer_state_bytes(optim: str) -> int:
+    """Optimizer state bytes per trained parameter of a transformers `optim` name: 8-bit
+    AdamW variants (bitsandbytes) 2, SGD 0, AdamW and the rest 8 (two fp32 moments)."""
+    return 2 if "8bit" in optim else 0 if optim.startswith("sgd") else ADAM_STATES
 
 
 @dataclass(frozen=True)
@@ -139,31 +156,53 @@ class Plan:
         return asdict(self)
 
 
+def engine(setup: Setup) -> str:
+    """Who holds the model states: `deepspeed` or the Trainer alone (`trainer`)."""
+    return setup.engine or ("deepspeed" if setup.zero >= 1 else "trainer")
+
+
+def sixteen_bit_weights(setup: Setup) -> bool:
+    """Whether the weights themselves are 16-bit: DeepSpeed in mixed precision casts the
+    model; the Trainer keeps the fp32 weights TRL loads (TRL 1.x loads float32 unless
+    `model_init_kwargs` says otherwise) and computes under bf16 autocast."""
+    return setup.mixed_precision and engine(setup) == "deepspeed"
+
+
 def model_states(p: int, t: int, largest: int, setup: Setup) -> tuple[int, int, int]:
     """(weights, gradients, optimizer) bytes per GPU for `p` parameters of which `t` train
     (the table in the module docstring). Totals equal DeepSpeed's estimators for full
-    training in mixed precision (ZeRO-2: 2P + int(18P/N); ZeRO-3: 4L + int(18P/N))."""
+    training in mixed precision (ZeRO-2: 2P + int(18P/N); ZeRO-3: 4L + int(18P/N)). The
+    Trainer without DeepSpeed keeps fp32 weights, gradients and Adam states (4 + 4 + 8 per
+    trained parameter) and, in mixed precision, the bf16 autocast copies of the trained
+    weights that the backward pass reads (2T); FSDP shards them as ZeRO-3 does."""
     n = setup.gpus * setup.nodes
-    if not setup.mixed_precision:  # fp32: 4 weights + 4 gradients + 8 Adam
-        return _shard(4 * p, 4 * t, ADAM_STATES * t, setup.zero, n, largest)
+    adam = setup.optimizer_state_bytes
+    if not sixteen_bit_weights(setup):  # fp32: 4 weights + 4 gradients + 8 Adam
+        weights, gradients, optimizer = _shard(4 * p, 4 * t, adam * t, setup.zero, n, largest)
+        autocast = 2 * t if setup.mixed_precision else 0
+        weights += int(autocast / n) if setup.zero == 3 else autocast
+        if setup.offload_optimizer and setup.zero >= 1:  # the step runs on the CPU, with the gradients
+            optimizer, gradients = 0, 0 if setup.zero >= 2 else gradients
+        return (4 * largest if setup.offload_params else weights), gradients, optimizer
     zero = setup.zero
     frozen = p - t
+    per_trained = MIXED_GRADS + MASTER + adam  # DeepSpeed's 18 with AdamW
     if zero == 3:
         if setup.offload_optimizer and setup.offload_params:
             return 4 * largest, 0, 0
         if setup.offload_optimizer:
             return 4 * largest + int(2 * p / n), 0, 0
-        total = 4 * largest + int(18 * t / n) + int(2 * frozen / n)
+        total = 4 * largest + int(per_trained * t / n) + int(2 * frozen / n)
         weights = 4 * largest + int(2 * p / n)
         gradients = int(4 * t / n)
         return weights, gradients, total - weights - gradients
     if setup.offload_optimizer and zero >= 1:
         return 2 * p, 0, 0
     if zero == 2:
-        total = 2 * p + int(18 * t / n)
+        total = 2 * p + int(per_trained * t / n)
         gradients = int(MIXED_GRADS * t / n)
         return 2 * p, gradients, total - 2 * p - gradients
-    optimizer = (MASTER + ADAM_STATES) * t
+    optimizer = (MASTER + adam) * t
     return 2 * p, MIXED_GRADS * t, int(optimizer / n) if zero == 1 else optimizer
 
 
@@ -194,21 +233,34 @@ def activations(shape: Shape, setup: Setup) -> int:
     return tokens * shape.layers * per_layer
 
 
-# Vocab-sized tensors per loss token at a step's peak, as TRL 1.16 computes them (measured:
-# bench/training_memory.py): SFT's logits, the loss's log-softmax and both their gradients,
-# and the entropy and token accuracy it logs; GRPO's logits, their temperature-scaled copy,
-# the selective log-softmax, the entropy, and the gradients.
-LOGIT_COPIES = {"sft": 8, "grpo": 11, "ppo": 11}
+# TRL 1.x never materialises a whole [tokens, vocab] logits tensor: both trainers patch the
+# model with a fused LM head (trl.trainer.utils.add_fused_lm_head) whose log-prob kernel
+# (trl.kernels.chunked_logprob) projects and folds one tile of at most TILE_TOKENS x
+# TILE_VOCAB logits at a time, forward and backward.
+TILE_TOKENS = 4096      # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
+TILE_VOCAB = 32768      # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
+# fp32 temporaries of one tile besides the tile itself: where Triton runs the fold (CUDA),
+# the fp32 copy the gradient GEMMs read; in torch ops (the CPU), measured with
+# bench/training_memory.py (7 per tile, for SFT and GRPO alike).
+TILE_FP32_COPIES = {"cuda": 1, "cpu": 7}
 
 
 def logits(shape: Shape, setup: Setup) -> int:
-    """Bytes of the vocab-sized tensors the loss needs: `LOGIT_COPIES` per loss token, the
-    first in the model's dtype and the rest in fp32 (the loss upcasts). SFT's loss covers
-    every token (b x s); GRPO's and PPO's only the completion (b x c: TRL's
-    `logits_to_keep`)."""
-    tokens = setup.batch * (setup.seq if setup.method == "sft" else (setup.completion or setup.seq))
-    first = 2 if setup.mixed_precision else 4
-    return tokens * shape.vocab * (first + 4 * (LOGIT_COPIES[setup.method] - 1))
+    """Bytes of the loss's vocab-sized work, TRL 1.x's chunked log-prob kernel: one tile of
+    min(N, TILE_TOKENS) x min(V, TILE_VOCAB) logits in the model's dtype plus
+    `TILE_FP32_COPIES` fp32 copies, and the backward's fp32 accumulators: N x H for the
+    hidden states' gradient and, when the output head trains, V x H for its weight (and
+    its 16-bit copy where the weights are 16-bit: DeepSpeed). N, the tokens scored: on a GPU
+    (Triton) only those with a label, the completion for GRPO and PPO (b x c; every token,
+    b x s, for SFT: an upper bound); in torch ops (the CPU) every position, b x (s - 1)."""
+    if setup.cpu:
+        tokens = setup.batch * (setup.seq - 1)
+    else:
+        tokens = setup.batch * (setup.seq if setup.method == "sft" else (setup.completion or setup.seq))
+    dtype = 2 if setup.mixed_precision else 4
+    tile = min(tokens, TILE_TOKENS) * min(shape.vocab, TILE_VOCAB)
+    head = 0 if setup.lora_rank else shape.vocab * shape.hidden * (4 + (2 if sixteen_bit_weights(setup) else 0))
+    return tile * (dtype + 4 * TILE_FP32_COPIES["cpu" if setup.cpu else "cuda"]) + 4 * tokens * shape.hidden + head
 
 
 def generation(shape: Shape, setup: Setup) -> int:
@@ -225,9 +277,9 @@ def plan(config: dict, setup: Setup) -> Plan:
     """Every part of one training setup's peak memory per GPU."""
     s = shape(config)
     p = s.params
-    t = s.lora_params(setup.lora_rank) if setup.lora_rank else p
+    t = s.lora_params(setup.lora_rank, setup.lora_modules) if setup.lora_rank else p
     n = setup.gpus * setup.nodes
-    frozen_dtype = 2 if setup.mixed_precision else 4
+    frozen_dtype = 2 if sixteen_bit_weights(setup) else 4  # TRL loads the reference as the policy
     weights, gradients, optimizer = model_states(p + (t if setup.lora_rank else 0), t, s.largest_layer, setup)
     states = weights + gradients + optimizer
     # TRL's reference model: absent with beta 0, and with LoRA (the base with adapters off)
@@ -249,7 +301,7 @@ def report(model: str, setup: Setup, *, gpu: str | None, gpus_file: str) -> dict
     a GPU profile its memory and whether the plan fits. Bad input is a `UserError` naming
     the flag."""
     from posttrain.errors import UserError
-    from posttrain.kv import load_config_json
+    from posttrain.modelconfig import load_config_json
     from posttrain.profiles import load_gpu_profile
 
     where = "posttrain memory"

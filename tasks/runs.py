@@ -56,6 +56,23 @@ def read_outcomes(workdir: str) -> dict | None:
     return read_json(path) if path.is_file() else None
 
 
+@task(name="plan_memory", **TASK_DEFAULTS)
+def plan_memory(config, workdir: str, run_id: str, uri: str) -> dict:
+    """Every training stage's memory plan per GPU (posttrain.fit), as the run will train
+    it: reports/memory.json in the workspace and `memory.json` on the parent run (each
+    stage's own run carries its part)."""
+    from posttrain.files import write_json
+    from posttrain.fit import longest_prompt, pipeline_plan
+
+    plan = pipeline_plan(config, config_path=Path(workdir) / PARAMS_FILE, prompt_chars=longest_prompt(config))
+    write_json(Path(workdir) / MEMORY_REPORT, plan)
+    client(uri).log_dict(run_id, plan, "memory.json")
+    return plan
+
+
+MEMORY_REPORT = "reports/memory.json"
+
+
 @task(name="record_results", **TASK_DEFAULTS)
 def record_results(run_id: str, workdir: str, uri: str, results: dict) -> dict[str, float]:
     """The stages' results on the parent run: every metric, the gates' verdicts and

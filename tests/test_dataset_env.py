@@ -281,6 +281,7 @@ def test_the_qwen_recipe_checks_against_the_published_config(tmp_path):
     write_jsonl(tmp_path / "custom" / "math_test.jsonl", [problem(i) for i in range(300, 350)])
     done = cli("check", "--config", recipe, "--elsewhere", cwd=tmp_path)   # for its GPU machine
     assert done.returncode == 0, done.stderr
+    assert "every training stage fits H100-80GB" in done.stdout            # its memory plan (issue 15)
     import torch
 
     if not torch.cuda.is_available():  # here: GRPO's vLLM generation is refused before any compute

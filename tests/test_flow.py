@@ -55,6 +55,24 @@ def test_child_runs_hold_their_artifacts(flow_runs):
     assert outputs["artifacts/models/dense"].endswith(".dir")
 
 
+def test_every_training_stage_logs_its_memory_plan(flow_runs):
+    """Each training stage's run carries its plan (issue 15): memory.json and the parts as
+    metrics; the parent run and reports/memory.json carry every stage's."""
+    import json
+
+    ws, _, _, runs, _ = flow_runs
+    first_parent = runs[runs["tags.mlflow.parentRunId"].isna()].iloc[0]
+    children = runs[runs["tags.mlflow.parentRunId"] == first_parent["run_id"]].set_index("tags.mlflow.runName")
+    report = json.loads((ws / "reports" / "memory.json").read_text())
+    assert set(report["stages"]) == {"sft", "grpo@dense"}
+    assert mlflow.artifacts.load_dict(f"runs:/{first_parent['run_id']}/memory.json")["stages"] == report["stages"]
+    for stage in ("sft", "grpo@dense"):
+        plan = mlflow.artifacts.load_dict(f"runs:/{children.loc[stage, 'run_id']}/memory.json")
+        assert plan == report["stages"][stage]
+        assert children.loc[stage, "metrics.memory.total_bytes"] == plan["total_bytes"] > 0
+        assert plan["setup"]["mixed_precision"] is False          # fp32 on this CPU: no GPU declared
+
+
 def test_second_run_reruns_only_what_changed(flow_runs):
     _, _, second, runs, _ = flow_runs
     last_parent = runs[runs["tags.mlflow.parentRunId"].isna()].iloc[-1]["run_id"]

@@ -82,18 +82,27 @@ def test_the_size_agrees_with_accelerate():
 def test_what_each_setting_changes():
     config, params = SHAPES["Qwen2.5-0.5B"]
     base = plan(config, Setup(method="grpo", beta=0.04, batch=8, seq=1024, completion=512))
-    assert base.reference_bytes == 2 * params                                      # a bf16 copy
+    assert base.reference_bytes == 4 * params                 # TRL loads the reference as the policy: fp32
+    assert base.model_states_bytes == 4 * params + 2 * params + 4 * params + 8 * params   # + bf16 autocast copies
+    deepspeed = plan(config, Setup(method="grpo", beta=0.04, engine="deepspeed"))
+    assert deepspeed.reference_bytes == 2 * params and deepspeed.model_states_bytes == 20 * params  # bf16 weights
     assert plan(config, Setup(method="grpo", beta=0.0)).reference_bytes == 0       # TRL drops it at beta 0
     lora = plan(config, Setup(method="grpo", beta=0.04, lora_rank=16))
     assert lora.reference_bytes == 0 and lora.trainable_params < params / 50       # adapters off = the reference
-    assert lora.gradients_bytes == 6 * lora.trainable_params
+    assert lora.gradients_bytes == 4 * lora.trainable_params                      # fp32, as the adapter trains
     checkpointed = plan(config, Setup(batch=8, seq=1024, gradient_checkpointing=True))
     assert checkpointed.activations_bytes < plan(config, Setup(batch=8, seq=1024)).activations_bytes / 5
     sft = plan(config, Setup(method="sft", batch=8, seq=1024))
     grpo = plan(config, Setup(method="grpo", batch=8, seq=1024, completion=512))
-    vocab = config["vocab_size"]
-    assert sft.logits_bytes == 8 * 1024 * vocab * (2 + 4 * 7)        # every token; 8 vocab-sized tensors
-    assert grpo.logits_bytes == 8 * 512 * vocab * (2 + 4 * 10)       # the completion only; 11 of them
+    vocab, hidden = config["vocab_size"], config["hidden_size"]
+    tile = 4096 * 32768 * (2 + 4)                                    # one bf16 tile of TRL's kernel, its fp32 copy
+    head = vocab * hidden * 4                                        # the head's gradient, summed in fp32
+    assert sft.logits_bytes == tile + 4 * 8 * 1024 * hidden + head   # every token scored
+    assert grpo.logits_bytes == tile + 4 * 8 * 512 * hidden + head   # the completion only
+    small = plan(config, Setup(method="grpo", batch=2, seq=64, completion=32, lora_rank=8))
+    assert small.logits_bytes == 64 * 32768 * 6 + 4 * 64 * hidden    # one short tile; a frozen head (LoRA)
+    on_cpu = plan(config, Setup(method="grpo", batch=2, seq=64, completion=32, cpu=True, mixed_precision=False))
+    assert on_cpu.logits_bytes == 126 * 32768 * (4 + 4 * 7) + 4 * 126 * hidden + 4 * vocab * hidden  # all positions
     assert sft.generation_bytes == 0
     colocated = plan(config, Setup(vllm_share=0.3, gpu_bytes=80 * GIB))
     assert colocated.generation_bytes == int(0.3 * 80 * GIB)
@@ -103,12 +112,23 @@ def test_what_each_setting_changes():
         assert p.model_states_bytes == p.weights_bytes + p.gradients_bytes + p.optimizer_bytes
 
 
+def test_the_logit_tiles_are_trls():
+    """The plan's logit tile is the one TRL's fused LM head computes in (trl 1.x)."""
+    from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+    from posttrain.memory import TILE_TOKENS, TILE_VOCAB
+
+    assert (TILE_TOKENS, TILE_VOCAB) == (TOKEN_CHUNK_SIZE, _CHUNKED_LOGPROB_CHUNK_SIZE)
+
+
 def test_critic_free_grpo_against_ppo_for_70b():
     """bf16 with AdamW before sharding, and per GPU on 8 x H100-80GB with ZeRO-3: PPO holds a
     trained critic and a frozen reward model besides the policy and the reference."""
     config, params = SHAPES["Llama-3.1-70B"]
-    setups = {"ppo": Setup(method="ppo", beta=0.04), "grpo": Setup(method="grpo", beta=0.04),
-              "grpo_beta0": Setup(method="grpo", beta=0.0)}
+    setups = {"ppo": Setup(method="ppo", beta=0.04, engine="deepspeed"),
+              "grpo": Setup(method="grpo", beta=0.04, engine="deepspeed"),
+              "grpo_beta0": Setup(method="grpo", beta=0.0, engine="deepspeed")}
     states = {k: (p.model_states_bytes + p.reference_bytes + p.critic_bytes + p.reward_model_bytes)
               for k, s in setups.items() for p in [plan(config, s)]}
     assert states["ppo"] > 600e9

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import mlflow
 
-from posttrain import checkpoints, launch
+from posttrain import checkpoints, fit, launch
 from posttrain.chat import grpo_rows
 from posttrain.config import build_trl_config, grpo_trl_options
 from posttrain.envs import get_env
 from posttrain.evaluation import pass_rates
 from posttrain.files import read_jsonl, write_json
+from posttrain.layout import PARAMS_FILE
 from posttrain.gate import decide, reward_trend
 from posttrain.rewards import build_rewards
 from posttrain.tracking import flatten, stage_run
@@ -28,9 +29,11 @@ ZERO_STD_WARNING = 0.5
 
 
 def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, checkpoint_dir: str,
-         metrics_path: str, curve_path: str) -> dict[str, float]:
+         metrics_path: str, curve_path: str, config_path: str = PARAMS_FILE) -> dict[str, float]:
     stage = config.grpo[name]
+    memory = fit.checked_plan(config, f"grpo@{name}", config_path=config_path)  # a stage that cannot fit stops here
     with stage_run(config, f"grpo@{name}"):
+        fit.log_plan(memory)
         env = get_env(config.data.env, **config.data.options)
         previous = read_card(init_dir) or {"eval": gate_evaluation(init_dir, env, config, data_dir)}
         if previous.get("stopped_at"):

@@ -16,26 +16,28 @@ from pathlib import Path
 
 import mlflow
 
-from posttrain import checkpoints, launch
+from posttrain import checkpoints, fit, launch
 from posttrain.chat import sft_rows
 from posttrain.config import build_trl_config
 from posttrain.envs import get_env
 from posttrain.evaluation import check_format_contract
 from posttrain.files import read_jsonl, write_json
-from posttrain.layout import resolve_model_dir
+from posttrain.layout import PARAMS_FILE, resolve_model_dir
 from posttrain.stopping import StopOnTarget, carve_validation, validation_curve
 from posttrain.tracking import flatten, stage_run
 from posttrain.training import gate_evaluation, gate_figures, lora_config, save_model, train, write_card
 
 
 def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: str,
-         metrics_path: str, curve_path: str) -> dict[str, float]:
+         metrics_path: str, curve_path: str, config_path: str = PARAMS_FILE) -> dict[str, float]:
     env = get_env(config.data.env, **config.data.options)
     train_path = Path(data_dir) / "train.jsonl"
     rows = read_jsonl(train_path)
     contract = check_format_contract(env, rows, where=str(train_path))  # before any run or compute
     rows, validation = split_validation(config, rows)
+    memory = fit.checked_plan(config, "sft", config_path=config_path)  # a stage that cannot fit stops here
     with stage_run(config, "sft"):
+        fit.log_plan(memory)
         base = resolve_model_dir(base_dir)
         # a checkpoint resumes only under the same launcher (world size, sharding)
         run_dir = checkpoints.run_dir(checkpoint_dir, [config.seed, config.sft.model_dump(),

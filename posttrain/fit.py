@@ -1,0 +1,282 @@
+"""Will it fit: every training stage's memory per GPU, from a pipeline config, against
+the GPUs it declares (`training.gpu`, `training.num_gpus`), and the cheapest change that
+makes a stage fit.
+
+A stage's plan is `posttrain.memory.plan` of the setup the stage will run:
+- the model: `model.path`'s config.json, or the tiny model's shape;
+- the launcher (`launcher:` / the stage's own): processes x nodes GPUs, one per process;
+  its accelerate config's DeepSpeed `zero_stage` and CPU offload, FSDP as ZeRO-3;
+  in_process and torchrun replicate everything (DDP, ZeRO-0);
+- the `trl:` block, with TRL's own defaults where it is silent: the micro-batch
+  (`per_device_train_batch_size`), `gradient_checkpointing` (on in TRL 1.x), bf16 on a GPU
+  (fp32 on this machine's CPU when no GPU is declared), 8-bit optimizers (`optim`), SFT's
+  `max_length`; GRPO's `max_completion_length`, `beta` (a reference model when > 0),
+  colocated vLLM (`vllm_gpu_memory_utilization` of the GPU) and the generation batch;
+  a GRPO sequence is the longest prompt (characters: an upper bound of its tokens) plus
+  the completion;
+- `peft:`: the adapter's rank and modules (peft's own defaults per model type).
+
+Units: bytes per GPU. The budget is the GPU profile's memory less its reserve (CUDA
+context, allocator fragmentation), from gpus.yaml beside the config or the package's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from posttrain.errors import UserError
+from posttrain.machine import training_stages
+from posttrain.memory import GIB, LINEAR_NAMES, LINEARS, Setup, optimizer_state_bytes, plan
+
+FIX_LORA_RANK = 16  # the adapter a fix proposes: rank 16 on every linear
+
+
+def stage_section(config, stage: str):
+    return config.sft if stage == "sft" else config.grpo[stage.split("@", 1)[1]]
+
+
+def model_config(config) -> dict:
+    """The config.json of the model the pipeline trains: `model.path`'s, or the tiny
+    model's (a Llama with tied embeddings and one token per character)."""
+    if config.model.path is not None:
+        from posttrain.modelconfig import load_config_json
+
+        return load_config_json(config.model.path)
+    from posttrain.tiny_model import CHARACTERS, SPECIAL_TOKENS
+
+    tiny = config.model.tiny
+    return {"model_type": "llama", "vocab_size": len(SPECIAL_TOKENS) + len(CHARACTERS),
+            "hidden_size": tiny.hidden_size, "num_hidden_layers": tiny.num_layers,
+            "num_attention_heads": tiny.num_heads, "num_key_value_heads": tiny.num_kv_heads,
+            "intermediate_size": tiny.intermediate_size, "max_position_embeddings": tiny.max_positions,
+            "tie_word_embeddings": True}
+
+
+def sharding(launcher, where: str) -> dict:
+    """ZeRO stage, engine and offload of a launcher: its accelerate config's (loaded by
+    accelerate: DeepSpeed's own stage and offload; FSDP shards as ZeRO-3 with the Trainer's
+    fp32 states); DDP otherwise."""
+    if launcher.accelerate_config is None:
+        return {"zero": 0, "engine": "trainer"}
+    from posttrain.machine import accelerate_config, distributed_type
+
+    loaded = accelerate_config(where, launcher.accelerate_config)
+    kind = distributed_type(loaded)
+    if kind == "DEEPSPEED":
+        ds = loaded.deepspeed_config or {}
+        return {"zero": int(ds.get("zero_stage", 0)), "engine": "deepspeed",
+                "offload_optimizer": ds.get("offload_optimizer_device") == "cpu",
+                "offload_params": int(ds.get("zero_stage", 0)) == 3 and ds.get("offload_param_device") == "cpu"}
+    if kind == "FSDP":
+        fsdp = loaded.fsdp_config or {}
+        offload = str(fsdp.get("fsdp_offload_params", False)).lower() == "true"
+        return {"zero": 3, "engine": "trainer", "offload_optimizer": offload, "offload_params": offload}
+    return {"zero": 0, "engine": "trainer"}
+
+
+def trl_default(cls_name: str, key: str):
+    """TRL's own default of option `key` of SFTConfig / GRPOConfig."""
+    import trl
+
+    cls = getattr(trl, cls_name)
+    field = next(f for f in dataclasses.fields(cls) if f.name == key)
+    return field.default_factory() if field.default is dataclasses.MISSING else field.default
+
+
+def lora_modules(model: dict, peft: dict) -> frozenset[str]:
+    """The decoder linears a LoRA config adapts: `target_modules` as peft matches it (a
+    name matches a module whose name is it or ends with `.name`; a string is a regex on the
+    module's full name; `all-linear`), else peft's default for the model type."""
+    targets = peft.get("target_modules")
+    if targets is None:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+        targets = DEFAULTS.get(model.get("model_type"), list(LINEAR_NAMES))
+    if targets == "all-linear":
+        return LINEARS
+    full = {name: f"model.layers.0.{'self_attn' if name[0] in 'qkvo' else 'mlp'}.{name}" for name in LINEAR_NAMES}
+    if isinstance(targets, str):
+        return frozenset(name for name, path in full.items() if re.fullmatch(targets, path))
+    return frozenset(name for name, path in full.items()
+                     if any(path == t or path.endswith(f".{t}") for t in targets))
+
+
+def stage_setup(config, stage: str, *, prompt_chars: int, gpu: bool, where: str) -> Setup:
+    """The `Setup` training stage `stage` runs (module docstring); `gpu`: on a GPU (bf16 by
+    TRL's default) rather than this machine's CPU (fp32)."""
+    import trl as trl_package
+
+    from posttrain.config import trl_schema
+    from posttrain.yamlfile import schema_error
+    from pydantic import ValidationError
+
+    section = stage_section(config, stage)
+    trl, cls = section.trl, "SFTConfig" if stage == "sft" else "GRPOConfig"
+    try:  # the options' types, as the stage will build them (a bad value is one line here too)
+        trl_schema(getattr(trl_package, cls)).model_validate(trl)
+    except ValidationError as err:
+        file = where.split(": ")[0]
+        raise schema_error(file, err, tuple(dict(training_stages(config))[stage].split(".")) + ("trl",)) from None
+    option = lambda key: trl[key] if key in trl else trl_default(cls, key)  # noqa: E731
+    launcher = config.stage_launcher(stage)
+    mixed = bool(option("fp16")) or (trl.get("bf16", True) is not False if gpu else bool(trl.get("bf16")))
+    optim = str(option("optim"))
+    batch = int(option("per_device_train_batch_size"))
+    common = dict(gpus=launcher.processes, nodes=launcher.nodes, batch=batch, mixed_precision=mixed, cpu=not gpu,
+                  gradient_checkpointing=bool(option("gradient_checkpointing")),
+                  optimizer_state_bytes=optimizer_state_bytes(optim),
+                  **sharding(launcher, where))
+    if section.peft is not None:
+        common.update(lora_rank=int(section.peft.get("r", 8)), lora_modules=lora_modules(model_config(config), section.peft))
+    if stage == "sft":
+        return Setup(method="sft", seq=int(option("max_length") or 1024), **common)
+    completion = int(option("max_completion_length"))
+    share = float(option("vllm_gpu_memory_utilization")) if option("use_vllm") and option("vllm_mode") == "colocate" \
+        else 0.0
+    return Setup(method="grpo", seq=prompt_chars + completion, completion=completion, beta=float(option("beta")),
+                 vllm_share=share, **common)
+
+
+def budget(config, config_dir: Path) -> tuple[int, int, str] | None:
+    """(bytes per GPU training may use, the GPU's bytes, how it was reached), or None
+    without `training.gpu`."""
+    if config.training.gpu is None:
+        return None
+    from posttrain.profiles import load_gpu_profile, profiles_path
+
+    profile = load_gpu_profile(profiles_path(config_dir), config.training.gpu)
+    usable = int((profile["memory_gib"] - profile["reserve_gib"]) * GIB)
+    how = f"{config.training.gpu}: {profile['memory_gib']:g} GiB less a {profile['reserve_gib']:g} GiB reserve"
+    return usable, int(profile["memory_gib"] * GIB), how
+
+
+def stage_plan(config, stage: str, *, config_path: str | Path, prompt_chars: int) -> dict:
+    """One stage's plan: its setup, the parts in bytes, the budget, whether it fits and,
+    when it does not, the cheapest fix (`fix`, `fix_total_bytes`)."""
+    path = Path(config_path)
+    field = dict(training_stages(config))[stage]
+    launcher = config.stage_launcher(stage)
+    where = f"{path}: {field}.launcher" if launcher is not config.launcher else f"{path}: launcher"
+    limit = budget(config, path.parent)
+    gpu = limit is not None or _cuda_here()
+    setup = stage_setup(config, stage, prompt_chars=prompt_chars, gpu=gpu, where=where)
+    model = model_config(config)
+    gpu_bytes = limit[1] if limit else 0  # a colocated vLLM takes its share of the whole GPU
+    figures = plan(model, dataclasses.replace(setup, gpu_bytes=gpu_bytes)).as_dict()
+    shown = {k: sorted(v) if isinstance(v, frozenset) else v for k, v in dataclasses.asdict(setup).items()
+             if k != "gpu_bytes"}
+    result = {"stage": stage, "setup": shown, **figures, "gpu": config.training.gpu,
+              "budget_bytes": limit[0] if limit else None,
+              "fits": None, "fix": None, "fix_total_bytes": None}
+    if limit:
+        result["fits"] = figures["total_bytes"] <= limit[0]
+        result["budget"] = limit[2]
+        if not result["fits"]:
+            result["fix"], result["fix_total_bytes"] = cheapest_fix(config, stage, field, model,
+                                                                    dataclasses.replace(setup, gpu_bytes=gpu_bytes),
+                                                                    limit[0])
+    return result
+
+
+def _cuda_here() -> bool:
+    from posttrain.machine import cuda_devices
+
+    return cuda_devices() > 0
+
+
+def cheapest_fix(config, stage: str, field: str, model: dict, setup: Setup, limit: int) -> tuple[str, int | None]:
+    """The first change, in order of cost, whose plan fits `limit` bytes: gradient
+    checkpointing (recomputes activations: slower steps, same result); a smaller micro-batch
+    with more accumulation (same global batch); ZeRO-3 over the GPUs declared, then with the
+    optimizer in CPU memory (same result, more communication); a LoRA adapter (trains
+    fewer weights: a different result); then their combinations. (text, its total bytes),
+    or what does not suffice and (text, None)."""
+    trl = f"{field}.trl"
+    gpus = max(config.training.num_gpus or setup.gpus, setup.gpus)
+    steps = int(stage_section(config, stage).trl.get("gradient_accumulation_steps", 1))
+    total = lambda s: plan(model, s).total_bytes  # noqa: E731
+    bases = [(setup, [])]
+    if setup.lora_rank == 0 and gpus * setup.nodes > 1 and (setup.zero < 3 or gpus > setup.gpus):
+        zero3 = f"{field}.launcher: {{type: accelerate, processes: {gpus}, accelerate_config: infra/accelerate/zero3.yaml}}"
+        bases += [(dataclasses.replace(setup, zero=3, gpus=gpus, engine="deepspeed"), [zero3]),
+                  (dataclasses.replace(setup, zero=3, gpus=gpus, engine="deepspeed", offload_optimizer=True),
+                   [f"{zero3} with offload_optimizer_device: cpu in its deepspeed_config"])]
+    if setup.lora_rank == 0 and setup.zero < 3:  # LoRA is refused with sharded weights
+        bases.append((dataclasses.replace(setup, lora_rank=FIX_LORA_RANK, lora_modules=LINEARS),
+                      [f"{field}.peft: {{r: {FIX_LORA_RANK}, target_modules: all-linear}}"]))
+    for base, changes in bases:
+        candidates = [(base, changes)] if changes else []
+        if not base.gradient_checkpointing:
+            base, changes = dataclasses.replace(base, gradient_checkpointing=True), \
+                changes + [f"{trl}.gradient_checkpointing: true"]
+            candidates.append((base, changes))
+        candidates += [(dataclasses.replace(base, batch=b), changes + [
+            f"{trl}.per_device_train_batch_size: {b} with gradient_accumulation_steps: {steps * base.batch // b} "
+            "(the same global batch)"]) for b in sorted((d for d in range(1, base.batch) if base.batch % d == 0),
+                                                        reverse=True)]
+        for candidate, made in candidates:
+            if total(candidate) <= limit:
+                return "set " + " and ".join(made), total(candidate)
+    floor = dataclasses.replace(bases[-1][0], gradient_checkpointing=True, batch=1)
+    return (f"nothing posttrain can change fits it (with every saving above and a micro-batch of 1 it is still "
+            f"{total(floor) / GIB:,.1f} GiB): use GPUs with more memory, or more of them "
+            f"(training.num_gpus, ZeRO-3)"), None
+
+
+def pipeline_plan(config, *, config_path: str | Path, prompt_chars: int) -> dict:
+    """Every training stage's plan (reports/memory.json, `posttrain memory --config`)."""
+    stages = {stage: stage_plan(config, stage, config_path=config_path, prompt_chars=prompt_chars)
+              for stage, _ in training_stages(config)}
+    return {"gpu": config.training.gpu, "num_gpus": config.training.num_gpus, "stages": stages}
+
+
+def check(path: str | Path, config, *, prompt_chars: int | None = None) -> str:
+    """Refuse the first training stage whose plan exceeds the GPU `training.gpu` declares
+    (`checked_plan`); else say what each needs. `posttrain check` and `posttrain run` call it."""
+    if config.training.gpu is None:
+        return ""
+    chars = longest_prompt(config) if prompt_chars is None else prompt_chars
+    plans = {stage: checked_plan(config, stage, config_path=path, prompt_chars=chars)
+             for stage, _ in training_stages(config)}
+    budget_gib = next(iter(plans.values()))["budget_bytes"] / GIB
+    return (f"every training stage fits {config.training.gpu} (" + ", ".join(
+        f"{stage} {plan['total_bytes'] / GIB:,.1f}" for stage, plan in plans.items()) +
+        f" of {budget_gib:,.1f} GiB per GPU)")
+
+
+def longest_prompt(config) -> int:
+    from posttrain.config import prompt_chars
+
+    return prompt_chars(config)
+
+
+def checked_plan(config, stage: str, *, config_path: str | Path, prompt_chars: int | None = None) -> dict:
+    """`stage_plan`, or a `UserError` naming the stage, the predicted peak, the budget and
+    the cheapest fix when it does not fit (or the launcher wants more GPUs than declared)."""
+    chars = longest_prompt(config) if prompt_chars is None else prompt_chars
+    field = dict(training_stages(config))[stage]
+    launcher = config.stage_launcher(stage)
+    if config.training.num_gpus is not None and launcher.processes > config.training.num_gpus:
+        where = f"{field}.launcher" if launcher is not config.launcher else "launcher"
+        raise UserError(f"{config_path}: {where}.processes", f"{launcher.processes} processes per node, but "
+                        f"training.num_gpus declares {config.training.num_gpus} GPUs per node",
+                        f"set processes to at most {config.training.num_gpus}, or raise training.num_gpus")
+    result = stage_plan(config, stage, config_path=config_path, prompt_chars=chars)
+    if result["fits"] is False:
+        after = f" (the cheapest change that fits: {result['fix_total_bytes'] / GIB:,.1f} GiB per GPU then)" \
+            if result["fix_total_bytes"] else ""
+        raise UserError(f"{config_path}: {field}", f"training stage {stage} needs {result['total_bytes'] / GIB:,.1f} "
+                        f"GiB per GPU, over the budget of {result['budget_bytes'] / GIB:,.1f} GiB ({result['budget']})",
+                        f"{result['fix']}{after}")
+    return result
+
+
+def log_plan(result: dict) -> None:
+    """A stage's plan on the active MLflow run: `memory.json` and `memory.*_bytes` metrics."""
+    import mlflow
+
+    mlflow.log_dict(result, "memory.json")
+    mlflow.log_metrics({f"memory.{k}": float(v) for k, v in result.items()
+                        if k.endswith("_bytes") and isinstance(v, int) and not isinstance(v, bool)})
