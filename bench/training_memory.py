@@ -25,40 +25,67 @@ SIZES = {  # hidden, layers, heads, kv heads, MLP width, vocab
     "10m": (256, 6, 4, 2, 1024, 32000),
     "30m": (512, 8, 8, 4, 1408, 32000),
     "100m": (768, 12, 12, 4, 2048, 32000),
+    "wide": (128, 4, 4, 2, 512, 152064),  # Qwen2.5's vocabulary: five of TRL's logit tiles across
 }
-CASES = {  # method, gradient checkpointing, beta, LoRA rank
-    "sft": ("sft", False, 0.0, 0), "sft_gc": ("sft", True, 0.0, 0), "sft_lora": ("sft", False, 0.0, 8),
-    "grpo": ("grpo", False, 0.0, 0), "grpo_ref": ("grpo", False, 0.04, 0), "grpo_gc": ("grpo", True, 0.0, 0),
+CASES = {  # method, gradient checkpointing, beta, LoRA rank, tokens per sequence
+    "sft": ("sft", False, 0.0, 0, 128), "sft_gc": ("sft", True, 0.0, 0, 128), "sft_lora": ("sft", False, 0.0, 8, 128),
+    "grpo": ("grpo", False, 0.0, 0, 128), "grpo_ref": ("grpo", False, 0.04, 0, 128),
+    "grpo_gc": ("grpo", True, 0.0, 0, 128),
+    "sft_long": ("sft", True, 0.0, 0, 1024),  # 8 x 1,023 scored tokens: two of TRL's logit tiles down
 }
-BATCH, SEQ, PROMPT, COMPLETION = 8, 128, 32, 96
+BATCH, PROMPT = 8, 32  # GRPO: completions of the sequence length less the prompt
 
 
 def model_config(size: str) -> dict:
     hidden, layers, heads, kv_heads, intermediate, vocab = SIZES[size]
     return {"model_type": "llama", "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
             "num_key_value_heads": kv_heads, "intermediate_size": intermediate, "vocab_size": vocab,
-            "max_position_embeddings": 4 * SEQ, "tie_word_embeddings": False, "attention_bias": False}
+            "max_position_embeddings": 2048, "tie_word_embeddings": False, "attention_bias": False}
 
 
 def one_case(size: str, case: str) -> dict:
     """Run the case here; the measured and planned bytes."""
     import torch
-    from datasets import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from posttrain.memory import Setup, plan
     from posttrain.tiny_model import build_tokenizer
 
-    method, checkpointing, beta, rank = CASES[case]
+    method, checkpointing, beta, rank, seq = CASES[case]
     torch.manual_seed(0)
     folder = tempfile.mkdtemp()
     tokenizer = build_tokenizer()
     config = model_config(size)
     LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    common = {"output_dir": tempfile.mkdtemp(), "max_steps": 2, "per_device_train_batch_size": BATCH,
-              "report_to": [], "use_cpu": True, "bf16": False, "save_strategy": "no", "logging_steps": 1,
-              "gradient_checkpointing": checkpointing, "disable_tqdm": True, "dataloader_num_workers": 0}
+    trainer = build_trainer(folder, tokenizer, method=method, checkpointing=checkpointing, beta=beta, rank=rank,
+                            seq=seq, use_cpu=True, bf16=False, dataloader_num_workers=0)
+    before = in_use()
+    with Peak() as peak:
+        trainer.train()
+    planned = plan(config, Setup(method=method, mixed_precision=False, cpu=True, batch=BATCH, seq=seq,
+                                 completion=None if method == "sft" else seq - PROMPT,
+                                 gradient_checkpointing=checkpointing, beta=beta, lora_rank=rank)).as_dict()
+    weights = sum(t.numel() * t.element_size() for m in (trainer.model, getattr(trainer, "ref_model", None))
+                  if m is not None for t in m.parameters())
+    # the model's (and reference's) weights were allocated before; what train() added on top, at its highest
+    return {"size": size, "case": case, "measured_bytes": weights + peak.bytes - before, "weights_bytes": weights,
+            "step_peak_bytes": peak.bytes - before, "plan": planned}
+
+
+def build_trainer(folder: str, tokenizer, *, method: str, checkpointing: bool, beta: float, rank: int, seq: int,
+                  batch: int = BATCH, prompt: int = PROMPT, **device):
+    """TRL's SFTTrainer or GRPOTrainer for two optimizer steps of `batch` sequences of `seq`
+    tokens (GRPO: `batch` completions of `seq - prompt` tokens of one prompt group), a
+    LoRA adapter of rank `rank` on every linear when > 0; `device`: TRL options (use_cpu,
+    bf16, ...). The CUDA bench (training_memory_cuda.py) builds its steps here too."""
+    import tempfile
+
+    from datasets import Dataset
+
+    common = {"output_dir": tempfile.mkdtemp(), "max_steps": 2, "per_device_train_batch_size": batch,
+              "report_to": [], "save_strategy": "no", "logging_steps": 1, "gradient_checkpointing": checkpointing,
+              "disable_tqdm": True, **device}
     peft = None
     if rank:
         from peft import LoraConfig
@@ -67,29 +94,16 @@ def one_case(size: str, case: str) -> dict:
     if method == "sft":
         from trl import SFTConfig, SFTTrainer
 
-        rows = [{"text": "12+34=46," * SEQ} for _ in range(4 * BATCH)]
-        trainer = SFTTrainer(model=folder, processing_class=tokenizer, train_dataset=Dataset.from_list(rows),
-                             peft_config=peft, args=SFTConfig(**common, max_length=SEQ))
-    else:
-        from trl import GRPOConfig, GRPOTrainer
+        rows = [{"text": "12+34=46," * seq} for _ in range(4 * batch)]
+        return SFTTrainer(model=folder, processing_class=tokenizer, train_dataset=Dataset.from_list(rows),
+                          peft_config=peft, args=SFTConfig(**common, max_length=seq))
+    from trl import GRPOConfig, GRPOTrainer
 
-        rows = [{"prompt": "1+2=" * (PROMPT // 4)} for _ in range(4 * BATCH)]
-        trainer = GRPOTrainer(model=folder, processing_class=tokenizer, train_dataset=Dataset.from_list(rows),
-                              reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-                              peft_config=peft,
-                              args=GRPOConfig(**common, num_generations=BATCH, max_completion_length=COMPLETION,
-                                              beta=beta, generation_kwargs={"min_new_tokens": COMPLETION}))
-    before = in_use()
-    with Peak() as peak:
-        trainer.train()
-    planned = plan(config, Setup(method=method, mixed_precision=False, batch=BATCH, seq=SEQ,
-                                 completion=None if method == "sft" else COMPLETION,
-                                 gradient_checkpointing=checkpointing, beta=beta, lora_rank=rank)).as_dict()
-    weights = sum(t.numel() * t.element_size() for m in (trainer.model, getattr(trainer, "ref_model", None))
-                  if m is not None for t in m.parameters())
-    # the model's (and reference's) weights were allocated before; what train() added on top, at its highest
-    return {"size": size, "case": case, "measured_bytes": weights + peak.bytes - before, "weights_bytes": weights,
-            "step_peak_bytes": peak.bytes - before, "plan": planned}
+    rows = [{"prompt": "1+2=" * (prompt // 4)} for _ in range(4 * batch)]
+    return GRPOTrainer(model=folder, processing_class=tokenizer, train_dataset=Dataset.from_list(rows),
+                       reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions], peft_config=peft,
+                       args=GRPOConfig(**common, num_generations=batch, max_completion_length=seq - prompt, beta=beta,
+                                       generation_kwargs={"min_new_tokens": seq - prompt}))
 
 
 def in_use() -> int:
@@ -131,27 +145,34 @@ class Peak:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="tiny,10m,30m,100m")
+    parser.add_argument("--sizes", default=",".join(SIZES))
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--one", help=argparse.SUPPRESS)  # size:case, run in this process
     args = parser.parse_args()
     if args.one:
         print(json.dumps(one_case(*args.one.split(":"))))
         return
-    print(f"{'size':<6} {'case':<10} {'measured MiB':>13} {'plan MiB':>10} {'ratio':>6}  plan parts (MiB)")
-    for size in args.sizes.split(","):
-        for case in args.cases.split(","):
-            done = subprocess.run([sys.executable, __file__, "--one", f"{size}:{case}"], capture_output=True,
-                                  text=True, cwd=Path(__file__).resolve().parents[1])
-            if done.returncode:
-                print(f"{size:<6} {case:<10} failed: {done.stderr.strip().splitlines()[-1][:200]}")
-                continue
-            r = json.loads(done.stdout.strip().splitlines()[-1])
-            p, mib = r["plan"], 2**20
-            parts = " ".join(f"{k[:-6]}={p[k] / mib:.0f}" for k in ("model_states_bytes", "reference_bytes",
-                             "activations_bytes", "logits_bytes", "generation_bytes") if p[k])
-            print(f"{size:<6} {case:<10} {r['measured_bytes'] / mib:>13.1f} {p['total_bytes'] / mib:>10.1f} "
-                  f"{p['total_bytes'] / r['measured_bytes']:>6.2f}  {parts}", flush=True)
+    run_cases(__file__, [(f"{size:<6} {case:<10}", f"{size}:{case}") for size in args.sizes.split(",")
+                         for case in args.cases.split(",")], header=f"{'size':<6} {'case':<10}")
+
+
+def run_cases(script: str, cases: list[tuple[str, str]], *, header: str) -> None:
+    """Each case (label, `--one` value) in a process of its own running `script`; per case
+    the measured peak, the plan's total, their ratio and the plan's parts."""
+    print(f"{header} {'measured MiB':>13} {'plan MiB':>10} {'ratio':>6}  plan parts (MiB)")
+    for label, one in cases:
+        done = subprocess.run([sys.executable, script, "--one", one], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parents[1])
+        if done.returncode:
+            print(f"{label} failed: {done.stderr.strip().splitlines()[-1][:200]}", flush=True)
+            continue
+        r = json.loads(done.stdout.strip().splitlines()[-1])
+        p, mib = r["plan"], 2**20
+        parts = " ".join(f"{k[:-6]}={p[k] / mib:.0f}" for k in ("model_states_bytes", "reference_bytes",
+                         "activations_bytes", "logits_bytes", "generation_bytes") if p[k])
+        print(f"{label} {r['measured_bytes'] / mib:>13.1f} {p['total_bytes'] / mib:>10.1f} "
+              f"{p['total_bytes'] / r['measured_bytes']:>6.2f}  {parts}{'  (' + r['gpu'] + ')' if 'gpu' in r else ''}",
+              flush=True)
 
 
 if __name__ == "__main__":

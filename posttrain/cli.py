@@ -273,6 +273,9 @@ def print_pipeline_memory(args) -> None:
         print(json.dumps(figures, sort_keys=True))
         return
     for stage, plan in figures["stages"].items():
+        if not plan["planned"]:
+            print(f"{stage}: not planned ({plan['reason']})")
+            continue
         parts = ", ".join(f"{key[:-6]} {size(plan[key])}" for key in PLAN_PARTS if plan[key])
         verdict = "" if plan["fits"] is None else \
             (f" of {size(plan['budget_bytes'])}: fits" if plan["fits"] else

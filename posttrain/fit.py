@@ -56,8 +56,8 @@ def model_config(config) -> dict:
 
 def sharding(launcher, where: str) -> dict:
     """ZeRO stage, engine and offload of a launcher: its accelerate config's (loaded by
-    accelerate: DeepSpeed's own stage and offload; FSDP shards as ZeRO-3 with the Trainer's
-    fp32 states); DDP otherwise."""
+    accelerate; DeepSpeed's own stage and offload, inline or in `deepspeed_config_file`;
+    FSDP shards as ZeRO-3 with the Trainer's states); DDP otherwise."""
     if launcher.accelerate_config is None:
         return {"zero": 0, "engine": "trainer"}
     from posttrain.machine import accelerate_config, distributed_type
@@ -66,14 +66,31 @@ def sharding(launcher, where: str) -> dict:
     kind = distributed_type(loaded)
     if kind == "DEEPSPEED":
         ds = loaded.deepspeed_config or {}
-        return {"zero": int(ds.get("zero_stage", 0)), "engine": "deepspeed",
-                "offload_optimizer": ds.get("offload_optimizer_device") == "cpu",
-                "offload_params": int(ds.get("zero_stage", 0)) == 3 and ds.get("offload_param_device") == "cpu"}
+        stage, optimizer, params = ds.get("zero_stage", 0), ds.get("offload_optimizer_device"), \
+            ds.get("offload_param_device")
+        if ds.get("deepspeed_config_file"):  # DeepSpeed's own JSON holds them
+            zero = deepspeed_json(ds["deepspeed_config_file"], f"{where}.accelerate_config").get("zero_optimization", {})
+            stage, optimizer, params = zero.get("stage", 0), (zero.get("offload_optimizer") or {}).get("device"), \
+                (zero.get("offload_param") or {}).get("device")
+        stage = int(stage) if str(stage).isdigit() else 0
+        return {"zero": stage, "engine": "deepspeed", "offload_optimizer": optimizer in ("cpu", "nvme"),
+                "offload_params": stage == 3 and params in ("cpu", "nvme")}
     if kind == "FSDP":
         fsdp = loaded.fsdp_config or {}
         offload = str(fsdp.get("fsdp_offload_params", False)).lower() == "true"
         return {"zero": 3, "engine": "trainer", "offload_optimizer": offload, "offload_params": offload}
     return {"zero": 0, "engine": "trainer"}
+
+
+def deepspeed_json(file: str, where: str) -> dict:
+    import json
+
+    try:
+        loaded = json.loads(Path(file).read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(where, f"cannot read its deepspeed_config_file {file}: {type(err).__name__}",
+                        "point it at DeepSpeed's JSON config") from None
+    return loaded if isinstance(loaded, dict) else {}
 
 
 def trl_default(cls_name: str, key: str):
@@ -85,10 +102,11 @@ def trl_default(cls_name: str, key: str):
     return field.default_factory() if field.default is dataclasses.MISSING else field.default
 
 
-def lora_modules(model: dict, peft: dict) -> frozenset[str]:
+def lora_modules(model: dict, peft: dict, where: str) -> frozenset[str]:
     """The decoder linears a LoRA config adapts: `target_modules` as peft matches it (a
-    name matches a module whose name is it or ends with `.name`; a string is a regex on the
-    module's full name; `all-linear`), else peft's default for the model type."""
+    name matches a module whose name is it or ends with `.name`; a string is a regex that
+    must match the module's whole name; `all-linear`), else peft's default for the model
+    type. None of them: a `UserError`, as peft would fail at training."""
     targets = peft.get("target_modules")
     if targets is None:
         from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
@@ -98,9 +116,30 @@ def lora_modules(model: dict, peft: dict) -> frozenset[str]:
         return LINEARS
     full = {name: f"model.layers.0.{'self_attn' if name[0] in 'qkvo' else 'mlp'}.{name}" for name in LINEAR_NAMES}
     if isinstance(targets, str):
-        return frozenset(name for name, path in full.items() if re.fullmatch(targets, path))
-    return frozenset(name for name, path in full.items()
-                     if any(path == t or path.endswith(f".{t}") for t in targets))
+        try:
+            found = frozenset(name for name, path in full.items() if re.fullmatch(targets, path))
+        except re.error as err:
+            raise UserError(f"{where}.target_modules", f"{targets[:60]!r} is not a regular expression ({err})",
+                            "give module names as a list, e.g. [q_proj, v_proj], or all-linear") from None
+    else:
+        found = frozenset(name for name, path in full.items()
+                          if any(path == str(t) or path.endswith(f".{t}") for t in targets))
+    if not found:
+        raise UserError(f"{where}.target_modules", f"{str(targets)[:80]} matches none of the model's linear layers "
+                        "(a string is a regular expression on the whole module name)",
+                        f"name them in a list, e.g. [q_proj, v_proj], or use all-linear ({', '.join(LINEAR_NAMES)})")
+    return found
+
+
+def saved_modules(model: dict, peft: dict) -> int:
+    """Parameters of peft's `modules_to_save` that the plan knows (the embedding, the output
+    head): trained whole, as copies beside the frozen originals."""
+    vocab, hidden = int(model.get("vocab_size", 0)), int(model.get("hidden_size", 0))
+    named = {str(m).rsplit(".", 1)[-1] for m in peft.get("modules_to_save") or []}
+    return vocab * hidden * len(named & {"embed_tokens", "lm_head"})
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": None}
 
 
 def stage_setup(config, stage: str, *, prompt_chars: int, gpu: bool, where: str) -> Setup:
@@ -113,30 +152,42 @@ def stage_setup(config, stage: str, *, prompt_chars: int, gpu: bool, where: str)
     from pydantic import ValidationError
 
     section = stage_section(config, stage)
+    field = dict(training_stages(config))[stage]
+    file = where.split(": ")[0]
     trl, cls = section.trl, "SFTConfig" if stage == "sft" else "GRPOConfig"
     try:  # the options' types, as the stage will build them (a bad value is one line here too)
         trl_schema(getattr(trl_package, cls)).model_validate(trl)
     except ValidationError as err:
-        file = where.split(": ")[0]
-        raise schema_error(file, err, tuple(dict(training_stages(config))[stage].split(".")) + ("trl",)) from None
+        raise schema_error(file, err, (*field.split("."), "trl")) from None
     option = lambda key: trl[key] if key in trl else trl_default(cls, key)  # noqa: E731
     launcher = config.stage_launcher(stage)
+    model = model_config(config)
     mixed = bool(option("fp16")) or (trl.get("bf16", True) is not False if gpu else bool(trl.get("bf16")))
-    optim = str(option("optim"))
+    dtype = str((option("model_init_kwargs") or {}).get("dtype", "float32")).removeprefix("torch.")
+    load = DTYPE_BYTES.get(dtype) or (2 if str(model.get("torch_dtype", model.get("dtype"))) in ("bfloat16", "float16")
+                                      else 4)
     batch = int(option("per_device_train_batch_size"))
     common = dict(gpus=launcher.processes, nodes=launcher.nodes, batch=batch, mixed_precision=mixed, cpu=not gpu,
+                  accumulation=int(option("gradient_accumulation_steps")), load_bytes=load,
                   gradient_checkpointing=bool(option("gradient_checkpointing")),
-                  optimizer_state_bytes=optimizer_state_bytes(optim),
-                  **sharding(launcher, where))
+                  optimizer_state_bytes=optimizer_state_bytes(str(option("optim"))), **sharding(launcher, where))
     if section.peft is not None:
-        common.update(lora_rank=int(section.peft.get("r", 8)), lora_modules=lora_modules(model_config(config), section.peft))
+        rank = section.peft.get("r", 8)
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise UserError(f"{file}: {field}.peft.r", f"{str(rank)[:40]} is not a LoRA rank", "give a whole number >= 1")
+        common.update(lora_rank=rank, lora_modules=lora_modules(model, section.peft, f"{file}: {field}.peft"),
+                      extra_trainable=saved_modules(model, section.peft))
     if stage == "sft":
         return Setup(method="sft", seq=int(option("max_length") or 1024), **common)
     completion = int(option("max_completion_length"))
-    share = float(option("vllm_gpu_memory_utilization")) if option("use_vllm") and option("vllm_mode") == "colocate" \
-        else 0.0
+    vllm, mode = bool(option("use_vllm")), option("vllm_mode")
+    world = launcher.processes * launcher.nodes
+    per_step = option("steps_per_generation") or common["accumulation"]
+    generated = option("generation_batch_size") // world if option("generation_batch_size") else batch * per_step
     return Setup(method="grpo", seq=prompt_chars + completion, completion=completion, beta=float(option("beta")),
-                 vllm_share=share, **common)
+                 vllm_share=float(option("vllm_gpu_memory_utilization")) if vllm and mode == "colocate" else 0.0,
+                 vllm_server=vllm and mode == "server", generation_batch=generated,
+                 gather_for_generation=bool(option("ds3_gather_for_generation")), **common)
 
 
 def budget(config, config_dir: Path) -> tuple[int, int, str] | None:
@@ -154,7 +205,9 @@ def budget(config, config_dir: Path) -> tuple[int, int, str] | None:
 
 def stage_plan(config, stage: str, *, config_path: str | Path, prompt_chars: int) -> dict:
     """One stage's plan: its setup, the parts in bytes, the budget, whether it fits and,
-    when it does not, the cheapest fix (`fix`, `fix_total_bytes`)."""
+    when it does not, the cheapest fix (`fix`, `fix_total_bytes`). A model the plan does not
+    know (not a dense Llama-like decoder) gets `planned: false` and its reason; with a GPU
+    declared that is a `UserError` (nothing would be checked)."""
     path = Path(config_path)
     field = dict(training_stages(config))[stage]
     launcher = config.stage_launcher(stage)
@@ -164,19 +217,26 @@ def stage_plan(config, stage: str, *, config_path: str | Path, prompt_chars: int
     setup = stage_setup(config, stage, prompt_chars=prompt_chars, gpu=gpu, where=where)
     model = model_config(config)
     gpu_bytes = limit[1] if limit else 0  # a colocated vLLM takes its share of the whole GPU
-    figures = plan(model, dataclasses.replace(setup, gpu_bytes=gpu_bytes)).as_dict()
+    result = {"stage": stage, "planned": True, "gpu": config.training.gpu, "budget_bytes": limit[0] if limit else None,
+              "fits": None, "fix": None, "fix_total_bytes": None}
+    try:
+        figures = plan(model, dataclasses.replace(setup, gpu_bytes=gpu_bytes)).as_dict()
+    except (KeyError, ValueError, TypeError) as err:
+        reason = f"no {err}" if isinstance(err, KeyError) else str(err)[:200]
+        if limit:
+            raise UserError(f"{path}: training.gpu", f"the memory plan cannot read the model ({reason})",
+                            "set training.gpu: null to train without the memory check") from None
+        return {**result, "planned": False, "reason": reason}
     shown = {k: sorted(v) if isinstance(v, frozenset) else v for k, v in dataclasses.asdict(setup).items()
              if k != "gpu_bytes"}
-    result = {"stage": stage, "setup": shown, **figures, "gpu": config.training.gpu,
-              "budget_bytes": limit[0] if limit else None,
-              "fits": None, "fix": None, "fix_total_bytes": None}
+    result.update(setup=shown, **figures)
     if limit:
         result["fits"] = figures["total_bytes"] <= limit[0]
         result["budget"] = limit[2]
         if not result["fits"]:
             result["fix"], result["fix_total_bytes"] = cheapest_fix(config, stage, field, model,
                                                                     dataclasses.replace(setup, gpu_bytes=gpu_bytes),
-                                                                    limit[0])
+                                                                    limit[0], path)
     return result
 
 
@@ -186,43 +246,93 @@ def _cuda_here() -> bool:
     return cuda_devices() > 0
 
 
-def cheapest_fix(config, stage: str, field: str, model: dict, setup: Setup, limit: int) -> tuple[str, int | None]:
+def cheapest_fix(config, stage: str, field: str, model: dict, setup: Setup, limit: int,
+                 path: Path) -> tuple[str, int | None]:
     """The first change, in order of cost, whose plan fits `limit` bytes: gradient
     checkpointing (recomputes activations: slower steps, same result); a smaller micro-batch
-    with more accumulation (same global batch); ZeRO-3 over the GPUs declared, then with the
-    optimizer in CPU memory (same result, more communication); a LoRA adapter (trains
-    fewer weights: a different result); then their combinations. (text, its total bytes),
-    or what does not suffice and (text, None)."""
+    with more accumulation (same global batch; TRL must accept it); not gathering the
+    ZeRO-3 model to generate; ZeRO-3 over the GPUs declared, then with the optimizer in CPU
+    memory (same result, more communication); a LoRA adapter, then with the base loaded in
+    bf16 (trains fewer weights: a different result); then their combinations. (text, its
+    total bytes), or what does not suffice and (text, None)."""
     trl = f"{field}.trl"
+    launcher = config.stage_launcher(stage)
     gpus = max(config.training.num_gpus or setup.gpus, setup.gpus)
-    steps = int(stage_section(config, stage).trl.get("gradient_accumulation_steps", 1))
     total = lambda s: plan(model, s).total_bytes  # noqa: E731
-    bases = [(setup, [])]
+    bases = [(setup, [])]  # each lever on top of the cheaper ones before it
+    if setup.zero == 3 and setup.engine == "deepspeed" and setup.gather_for_generation and setup.method != "sft" \
+            and not setup.vllm_share and not setup.vllm_server:
+        bases.append((dataclasses.replace(setup, gather_for_generation=False),
+                      [f"{trl}.ds3_gather_for_generation: false (generation gathers one layer at a time: slower)"]))
+    unsharded = bases[-1]
     if setup.lora_rank == 0 and gpus * setup.nodes > 1 and (setup.zero < 3 or gpus > setup.gpus):
-        zero3 = f"{field}.launcher: {{type: accelerate, processes: {gpus}, accelerate_config: infra/accelerate/zero3.yaml}}"
-        bases += [(dataclasses.replace(setup, zero=3, gpus=gpus, engine="deepspeed"), [zero3]),
-                  (dataclasses.replace(setup, zero=3, gpus=gpus, engine="deepspeed", offload_optimizer=True),
-                   [f"{zero3} with offload_optimizer_device: cpu in its deepspeed_config"])]
-    if setup.lora_rank == 0 and setup.zero < 3:  # LoRA is refused with sharded weights
-        bases.append((dataclasses.replace(setup, lora_rank=FIX_LORA_RANK, lora_modules=LINEARS),
-                      [f"{field}.peft: {{r: {FIX_LORA_RANK}, target_modules: all-linear}}"]))
+        nodes = f", nodes: {launcher.nodes}" if launcher.nodes > 1 else ""
+        zero3 = f"{field}.launcher: {{type: accelerate, processes: {gpus}{nodes}, accelerate_config: " \
+                "infra/accelerate/zero3.yaml}"
+        world, was = gpus * setup.nodes, setup.gpus * setup.nodes
+        batch, steps = setup.batch, setup.accumulation
+        if (steps * was) % world == 0:  # the same global batch: fewer accumulation steps, or a smaller micro-batch
+            steps = steps * was // world
+        elif (batch * steps * was) % world == 0:
+            batch, steps = batch * steps * was // world, 1
+        if batch * steps * world != setup.batch * setup.accumulation * was:
+            zero3 += f" (a global batch {world / was:g}x larger: lower gradient_accumulation_steps to keep it)"
+        elif (batch, steps) != (setup.batch, setup.accumulation):
+            zero3 += f" with {trl}.per_device_train_batch_size: {batch} and gradient_accumulation_steps: {steps}"
+        base, changes = bases[-1]
+        bases.append((dataclasses.replace(base, zero=3, gpus=gpus, engine="deepspeed", batch=batch,
+                                          accumulation=steps), changes + [zero3]))
+    if bases[-1][0].zero == 3 and bases[-1][0].engine == "deepspeed" and not bases[-1][0].offload_optimizer:
+        base, changes = bases[-1]
+        bases.append((dataclasses.replace(base, offload_optimizer=True),
+                      changes + [f"offload_optimizer_device: cpu in {field}'s DeepSpeed config"]))
+    if setup.zero < 3:  # LoRA is refused with sharded weights
+        base, changes = unsharded
+        lora = base if base.lora_rank else dataclasses.replace(base, lora_rank=FIX_LORA_RANK, lora_modules=LINEARS)
+        if not base.lora_rank:
+            changes = changes + [f"{field}.peft: {{r: {FIX_LORA_RANK}, target_modules: all-linear}}"]
+            bases.append((lora, changes))
+        if lora.load_bytes == 4 and lora.engine != "deepspeed":
+            bases.append((dataclasses.replace(lora, load_bytes=2),
+                          changes + [f"{trl}.model_init_kwargs: {{dtype: bfloat16}} (the frozen base in bf16)"]))
     for base, changes in bases:
         candidates = [(base, changes)] if changes else []
         if not base.gradient_checkpointing:
             base, changes = dataclasses.replace(base, gradient_checkpointing=True), \
                 changes + [f"{trl}.gradient_checkpointing: true"]
             candidates.append((base, changes))
-        candidates += [(dataclasses.replace(base, batch=b), changes + [
-            f"{trl}.per_device_train_batch_size: {b} with gradient_accumulation_steps: {steps * base.batch // b} "
-            "(the same global batch)"]) for b in sorted((d for d in range(1, base.batch) if base.batch % d == 0),
-                                                        reverse=True)]
+        for b in sorted((d for d in range(1, base.batch) if base.batch % d == 0), reverse=True):
+            steps = base.accumulation * base.batch // b  # the same global batch
+            smaller = f"{trl}.per_device_train_batch_size: {b} with gradient_accumulation_steps: {steps}"
+            if accepted(config, stage, b, steps, path):
+                candidates.append((dataclasses.replace(base, batch=b, accumulation=steps),
+                                   changes + [f"{smaller} (the same global batch)"]))
         for candidate, made in candidates:
             if total(candidate) <= limit:
                 return "set " + " and ".join(made), total(candidate)
     floor = dataclasses.replace(bases[-1][0], gradient_checkpointing=True, batch=1)
+    more = "more of them (training.num_gpus, ZeRO-3)" if not setup.lora_rank else "more of them without LoRA (ZeRO-3)"
     return (f"nothing posttrain can change fits it (with every saving above and a micro-batch of 1 it is still "
-            f"{total(floor) / GIB:,.1f} GiB): use GPUs with more memory, or more of them "
-            f"(training.num_gpus, ZeRO-3)"), None
+            f"{total(floor) / GIB:,.1f} GiB): use GPUs with more memory, or {more}"), None
+
+
+def accepted(config, stage: str, batch: int, steps: int, path: Path) -> bool:
+    """Whether TRL accepts the stage's `trl:` block with this micro-batch and accumulation
+    (GRPO: whole groups of `num_generations` per generation batch, at the launcher's world size)."""
+    from posttrain.config import across, build_trl_config, grpo_trl_options
+
+    if stage == "sft":
+        return True
+    from trl import GRPOConfig
+
+    section = stage_section(config, stage)
+    options = {**grpo_trl_options(section), "per_device_train_batch_size": batch, "gradient_accumulation_steps": steps}
+    try:
+        build_trl_config(f"{path}: {stage}", across(GRPOConfig, config.stage_launcher(stage)), options,
+                         output_dir="/nonexistent/posttrain-fit")
+    except UserError:
+        return False
+    return True
 
 
 def pipeline_plan(config, *, config_path: str | Path, prompt_chars: int) -> dict:
@@ -233,13 +343,14 @@ def pipeline_plan(config, *, config_path: str | Path, prompt_chars: int) -> dict
 
 
 def check(path: str | Path, config, *, prompt_chars: int | None = None) -> str:
-    """Refuse the first training stage whose plan exceeds the GPU `training.gpu` declares
-    (`checked_plan`); else say what each needs. `posttrain check` and `posttrain run` call it."""
+    """Plan every training stage (what the plan reads of `trl:` and `peft:` is checked
+    here), refuse the first whose plan exceeds the GPU `training.gpu` declares
+    (`checked_plan`), and say what each needs. `posttrain check` and `posttrain run` call it."""
+    chars = longest_prompt(config) if prompt_chars is None else prompt_chars
+    plans = {stage: checked_plan(config, stage, config_path=path, prompt_chars=chars)  # peft: and trl: read here
+             for stage, _ in training_stages(config)}
     if config.training.gpu is None:
         return ""
-    chars = longest_prompt(config) if prompt_chars is None else prompt_chars
-    plans = {stage: checked_plan(config, stage, config_path=path, prompt_chars=chars)
-             for stage, _ in training_stages(config)}
     budget_gib = next(iter(plans.values()))["budget_bytes"] / GIB
     return (f"every training stage fits {config.training.gpu} (" + ", ".join(
         f"{stage} {plan['total_bytes'] / GIB:,.1f}" for stage, plan in plans.items()) +

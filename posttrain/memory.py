@@ -126,6 +126,13 @@ class Setup:
     cpu: bool = False               # on CPUs: PyTorch ops where a GPU runs TRL's Triton kernels
     vllm_share: float = 0.0         # colocated vLLM's share of the GPU (GRPO generation)
     gpu_bytes: int = 0              # the GPU's memory, for the vLLM share and the budget
+    accumulation: int = 1           # gradient_accumulation_steps: > 1 keeps gradients between backward passes
+    load_bytes: int = 4             # bytes per weight as TRL loads the model (model_init_kwargs dtype): float32 4
+                                    # (TRL 1.x's default), bfloat16 / float16 2; DeepSpeed casts to 16-bit anyway
+    extra_trainable: int = 0        # LoRA: parameters of `modules_to_save`, trained whole
+    generation_batch: int | None = None  # sequences generated at once per GPU (GRPO); None: the micro-batch
+    gather_for_generation: bool = False  # DeepSpeed ZeRO-3: TRL gathers the whole 16-bit model to generate
+    vllm_server: bool = False       # generation on a vLLM server elsewhere: none here
 
 
 def optimizer_state_bytes(optim: str) -> int:
@@ -136,7 +143,11 @@ def optimizer_state_bytes(optim: str) -> int:
 
 @dataclass(frozen=True)
 class Plan:
-    """Per GPU, in bytes."""
+    """Per GPU, in bytes. `total_bytes` is the peak of a step's two phases on top of what
+    stays resident (weights, optimizer states, the reference, a colocated vLLM): sampling
+    (transformers' KV cache, and under ZeRO-3 the gathered model) or the backward pass
+    (activations and the loss's logit work; the gradients too where they outlive a step,
+    `gradients_held`, else whichever of the two is larger)."""
     params: int
     trainable_params: int
     largest_layer_params: int
@@ -172,15 +183,18 @@ def model_states(p: int, t: int, largest: int, setup: Setup) -> tuple[int, int, 
     """(weights, gradients, optimizer) bytes per GPU for `p` parameters of which `t` train
     (the table in the module docstring). Totals equal DeepSpeed's estimators for full
     training in mixed precision (ZeRO-2: 2P + int(18P/N); ZeRO-3: 4L + int(18P/N)). The
-    Trainer without DeepSpeed keeps fp32 weights, gradients and Adam states (4 + 4 + 8 per
-    trained parameter) and, in mixed precision, the bf16 autocast copies of the trained
-    weights that the backward pass reads (2T); FSDP shards them as ZeRO-3 does."""
+    Trainer without DeepSpeed keeps the weights as TRL loads them (`load_bytes`: fp32 by
+    default), gradients and AdamW's moments in the same dtype (4 + 4 + 8 per trained
+    parameter in fp32), a LoRA adapter in fp32; FSDP shards them as ZeRO-3 does."""
     n = setup.gpus * setup.nodes
     adam = setup.optimizer_state_bytes
-    if not sixteen_bit_weights(setup):  # fp32: 4 weights + 4 gradients + 8 Adam
-        weights, gradients, optimizer = _shard(4 * p, 4 * t, adam * t, setup.zero, n, largest)
-        autocast = 2 * t if setup.mixed_precision else 0
-        weights += int(autocast / n) if setup.zero == 3 else autocast
+    if not sixteen_bit_weights(setup):  # the Trainer: the weights as loaded; fp32 on the CPU
+        w = setup.load_bytes if setup.mixed_precision else 4
+        lora = p > t
+        trained = 4 if lora else w  # peft keeps the adapter in fp32 (autocast_adapter_dtype)
+        moments = adam * trained // 4 if adam == ADAM_STATES else adam  # torch's AdamW: the parameter's dtype
+        weights, gradients, optimizer = _shard(w * (p - t) + trained * t, trained * t, moments * t, setup.zero, n,
+                                               largest)
         if setup.offload_optimizer and setup.zero >= 1:  # the step runs on the CPU, with the gradients
             optimizer, gradients = 0, 0 if setup.zero >= 2 else gradients
         return (4 * largest if setup.offload_params else weights), gradients, optimizer
@@ -264,36 +278,65 @@ def logits(shape: Shape, setup: Setup) -> int:
 
 
 def generation(shape: Shape, setup: Setup) -> int:
-    """GRPO / PPO sampling: a colocated vLLM's share of the GPU, else transformers'
-    generate KV cache for the micro-batch (2 x layers x K x b x s values)."""
-    if setup.method == "sft":
+    """GRPO / PPO sampling: a colocated vLLM's share of the GPU (resident throughout), none
+    with a vLLM server elsewhere, else transformers' generate KV cache for the generation
+    batch (2 x layers x K x g x s values, g the sequences generated at once)."""
+    if setup.method == "sft" or setup.vllm_server:
         return 0
     if setup.vllm_share:
         return int(setup.vllm_share * setup.gpu_bytes)
-    return 2 * shape.layers * shape.kv_dim * setup.batch * setup.seq * (2 if setup.mixed_precision else 4)
+    g = setup.generation_batch or setup.batch
+    return 2 * shape.layers * shape.kv_dim * g * setup.seq * (2 if setup.mixed_precision else 4)
+
+
+def autocast_copies(p: int, t: int, setup: Setup) -> int:
+    """The 16-bit casts of fp32 weights that bf16 autocast hands to each matmul and autograd
+    keeps for the backward pass: 2 bytes per fp32 weight (all of them when the model is
+    loaded in fp32, else the LoRA adapter's), without gradient checkpointing (which keeps
+    only each layer's input and recomputes the rest)."""
+    if not setup.mixed_precision or sixteen_bit_weights(setup) or setup.gradient_checkpointing:
+        return 0
+    fp32 = p if setup.load_bytes == 4 else (t if p > t else 0)
+    return int(2 * fp32 / setup.gpus / setup.nodes) if setup.zero == 3 else 2 * fp32
 
 
 def plan(config: dict, setup: Setup) -> Plan:
     """Every part of one training setup's peak memory per GPU."""
     s = shape(config)
     p = s.params
-    t = s.lora_params(setup.lora_rank, setup.lora_modules) if setup.lora_rank else p
+    t = s.lora_params(setup.lora_rank, setup.lora_modules) + setup.extra_trainable if setup.lora_rank else p
     n = setup.gpus * setup.nodes
-    frozen_dtype = 2 if sixteen_bit_weights(setup) else 4  # TRL loads the reference as the policy
-    weights, gradients, optimizer = model_states(p + (t if setup.lora_rank else 0), t, s.largest_layer, setup)
+    frozen_dtype = 2 if sixteen_bit_weights(setup) else setup.load_bytes if setup.mixed_precision else 4
+    added = t if setup.lora_rank else 0  # the adapter and peft's trainable copies of `modules_to_save`
+    weights, gradients, optimizer = model_states(p + added, t, s.largest_layer, setup)
     states = weights + gradients + optimizer
-    # TRL's reference model: absent with beta 0, and with LoRA (the base with adapters off)
+    # TRL's reference model, loaded as the policy: absent with beta 0, and with LoRA (the base with adapters off)
     frozen_copy = int(frozen_dtype * p / n) if setup.zero == 3 else frozen_dtype * p
     reference = frozen_copy if setup.method in ("grpo", "ppo") and setup.beta > 0 and not setup.lora_rank else 0
     critic = states if setup.method == "ppo" else 0          # a value model as large as the policy, trained
     reward_model = frozen_copy if setup.method == "ppo" else 0
-    acts, logit = activations(s, setup), logits(s, setup)
-    gen = generation(s, setup)
+    acts = activations(s, setup) + autocast_copies(p + added, t, setup)
+    logit, gen = logits(s, setup), generation(s, setup)
+    gather = 2 * p if setup.gather_for_generation and setup.zero == 3 and not setup.vllm_share else 0
+    resident = weights + optimizer + reference + critic + reward_model + (gen if setup.vllm_share else 0)
+    held = gradients if gradients_held(setup) else 0
+    backward = acts + logit + held if held else max(acts + logit, gradients)
+    sampling = 0 if setup.vllm_share else gen + gather + held   # the KV cache is freed before the loss
     return Plan(params=p, trainable_params=t, largest_layer_params=s.largest_layer, weights_bytes=weights,
                 gradients_bytes=gradients, optimizer_bytes=optimizer, model_states_bytes=states,
                 reference_bytes=reference, critic_bytes=critic, reward_model_bytes=reward_model,
-                activations_bytes=acts, logits_bytes=logit, generation_bytes=gen,
-                total_bytes=states + reference + critic + reward_model + acts + logit + gen)
+                activations_bytes=acts, logits_bytes=logit, generation_bytes=gen + gather,
+                total_bytes=resident + max(backward, sampling))
+
+
+def gradients_held(setup: Setup) -> bool:
+    """Whether the gradients exist while a backward pass starts (all activations and the
+    loss's logit work held): with gradient accumulation (the earlier micro-batches'), under
+    DeepSpeed (its gradient partitions and buckets) and under DDP on several processes (its
+    buckets). Otherwise the Trainer frees them after each step (`zero_grad(set_to_none=True)`)
+    and the backward pass creates them layer by layer as it frees that layer's
+    activations: the peak is the larger of the two, not their sum."""
+    return setup.accumulation > 1 or engine(setup) == "deepspeed" or setup.gpus * setup.nodes > 1
 
 
 def report(model: str, setup: Setup, *, gpu: str | None, gpus_file: str) -> dict:

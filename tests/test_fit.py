@@ -126,24 +126,37 @@ def test_a_stage_that_does_not_fit_is_refused_with_the_cheapest_fix(qwen):
 
 
 def test_fixes_come_in_order_of_cost(qwen):
-    """SFT of a 7B model, micro-batches of 16 x 4,096 tokens (TRL's default gradient
+    """SFT of a 7B model, micro-batches of 16 x 8,192 tokens (TRL's default gradient
     checkpointing on): on one H200 a smaller micro-batch (the same global batch) is enough;
     with 8 H100s declared, ZeRO-3 over them; on one L40S only LoRA (and a smaller batch)
     fits; on an L4 nothing does, and it says so."""
-    sft = {"trl": {"max_length": 4096, "per_device_train_batch_size": 16}}
+    sft = {"trl": {"max_length": 8192, "per_device_train_batch_size": 16}}
     fixes = {gpu: memory(qwen(f"{gpu}.yaml", training=training, sft=sft))["stages"]["sft"]
              for gpu, training in [("H200", {"gpu": "H200-141GB"}), ("H100", {"gpu": "H100-80GB", "num_gpus": 8}),
                                    ("L40S", {"gpu": "L40S-48GB"}), ("L4", {"gpu": "L4-24GB"})]}
     assert fixes["H200"]["fix"] == ("set sft.trl.per_device_train_batch_size: 4 with gradient_accumulation_steps: 4 "
                                     "(the same global batch)")
     assert fixes["H100"]["fix"].startswith("set sft.launcher: {type: accelerate, processes: 8, accelerate_config: "
-                                           "infra/accelerate/zero3.yaml}")
+                                           "infra/accelerate/zero3.yaml} with sft.trl.per_device_train_batch_size: 2 "
+                                           "and gradient_accumulation_steps: 1")   # the same global batch of 16
     assert fixes["L40S"]["fix"].startswith("set sft.peft: {r: 16, target_modules: all-linear}")
-    for gpu in ("H200", "H100", "L40S"):
+    assert fixes["L4"]["fix"].startswith("set sft.peft: {r: 16, target_modules: all-linear} and "
+                                         "sft.trl.model_init_kwargs: {dtype: bfloat16}")   # the base in bf16 too
+    for gpu in fixes:
         assert fixes[gpu]["fits"] is False and fixes[gpu]["fix_total_bytes"] <= fixes[gpu]["budget_bytes"]
-    assert fixes["L4"]["fix"].startswith("nothing posttrain can change fits it") and fixes["L4"]["fix_total_bytes"] is None
-    done = cli("check", "--config", qwen("l4.yaml", training={"gpu": "L4-24GB"}, sft=sft))
-    assert_refused(done, "l4.yaml: sft:", "nothing posttrain can change fits it", "use GPUs with more memory")
+
+
+def test_what_nothing_can_fix_is_said(tmp_path):
+    """Llama-3.1-70B on one L4: not even LoRA on a bf16 base fits; it says so in one line."""
+    config, _ = SHAPES["Llama-3.1-70B"]
+    model = tmp_path / "llama70b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 131072}))
+    path = tmp_path / "l4.yaml"
+    path.write_text(yaml.safe_dump({"extends": str(REPO / "configs" / "pipeline.yaml"), "model": {"path": str(model)},
+                                    "training": {"gpu": "L4-24GB"}}))
+    assert_refused(cli("check", "--config", path), "l4.yaml: sft:", "nothing posttrain can change fits it",
+                   "use GPUs with more memory")
 
 
 @pytest.mark.parametrize("sections, needles", [
@@ -153,6 +166,9 @@ def test_fixes_come_in_order_of_cost(qwen):
     ({"training": {"gpu": "B300"}}, ["training.gpu", "unknown GPU profile", "H100-80GB"]),
     ({"training": {"gpu": "H100-80GB"}, "grpo": {"dense": {"trl": {"per_device_train_batch_size": "8"}}}},
      ["grpo.dense.trl.per_device_train_batch_size"]),
+    ({"sft": {"peft": {"r": None}}}, ["sft.peft.r", "not a LoRA rank"]),                    # no GPU declared either
+    ({"sft": {"peft": {"target_modules": "(["}}}, ["sft.peft.target_modules", "not a regular expression"]),
+    ({"sft": {"peft": {"target_modules": "q_proj"}}}, ["sft.peft.target_modules", "matches none", "[q_proj, v_proj]"]),
 ])
 def test_bad_training_sections_are_one_line(qwen, sections, needles):
     assert_refused(cli("check", "--config", qwen(**sections), "--elsewhere"), *needles)
@@ -170,3 +186,47 @@ def test_posttrain_run_refuses_before_anything_is_written(qwen, tmp_path):
     done = cli("run", "--config", big, cwd=tmp_path)
     assert_refused(done, "big.yaml: sft:", "over the budget", "L4-24GB", seconds=30)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_model_the_plan_does_not_know(tmp_path):
+    """A Gemma-2 model (not a Llama-like decoder): without a GPU declared the stages are not
+    planned and say why; with one, the check cannot be made and says so in one line."""
+    model = tmp_path / "gemma"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "gemma2", "vocab_size": 256000, "hidden_size": 2304, "num_hidden_layers": 26,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 9216,
+        "max_position_embeddings": 8192, "tie_word_embeddings": True}))
+    path = tmp_path / "gemma.yaml"
+    path.write_text(yaml.safe_dump({"extends": str(REPO / "configs" / "pipeline.yaml"), "model": {"path": str(model)}}))
+    stages = memory(path)["stages"]
+    assert not stages["sft"]["planned"] and "gemma2" in stages["sft"]["reason"]
+    assert cli("check", "--config", path).returncode == 0
+    path.write_text(yaml.safe_dump({"extends": str(REPO / "configs" / "pipeline.yaml"), "model": {"path": str(model)},
+                                    "training": {"gpu": "H100-80GB"}}))
+    assert_refused(cli("check", "--config", path), "training.gpu", "cannot read the model", "gemma2")
+
+
+def test_what_grpo_generates_at_once_and_deepspeeds_json(qwen, tmp_path):
+    """GRPO's KV cache is for the generation batch (micro-batch x steps_per_generation, by
+    default the accumulation steps), and ZeRO-3 gathers the whole 16-bit model to generate
+    (TRL's ds3_gather_for_generation); a ZeRO-3 stage given in DeepSpeed's own JSON file
+    (accelerate's deepspeed_config_file) is planned as ZeRO-3."""
+    config, _ = SHAPES["Qwen2.5-7B"]
+    ds = tmp_path / "ds3.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}))
+    accelerate = tmp_path / "accelerate.yaml"
+    accelerate.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED",
+                                          "deepspeed_config": {"deepspeed_config_file": str(ds)},
+                                          "main_training_function": "main", "use_cpu": False}))
+    grpo = {"trl": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 4, "max_completion_length": 1024}}
+    plans = {name: memory(qwen(f"{name}.yaml", training={"gpu": "H200-141GB", "num_gpus": 8}, launcher=launcher,
+                               grpo={"dense": grpo}))["stages"]["grpo@dense"]
+             for name, launcher in [("ddp", {"type": "torchrun", "processes": 8}),
+                                    ("zero3", {"type": "accelerate", "processes": 8,
+                                               "accelerate_config": str(accelerate)})]}
+    kv_per_sequence = 2 * config["num_hidden_layers"] * 4 * 128 * plans["ddp"]["setup"]["seq"] * 2   # bf16
+    assert plans["ddp"]["setup"]["generation_batch"] == 32
+    assert plans["ddp"]["generation_bytes"] == 32 * kv_per_sequence
+    assert plans["zero3"]["setup"]["zero"] == 3 and plans["zero3"]["setup"]["engine"] == "deepspeed"
+    assert plans["zero3"]["generation_bytes"] == 32 * kv_per_sequence + 2 * QWEN7B_PARAMS   # the gathered model

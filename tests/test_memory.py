@@ -83,7 +83,11 @@ def test_what_each_setting_changes():
     config, params = SHAPES["Qwen2.5-0.5B"]
     base = plan(config, Setup(method="grpo", beta=0.04, batch=8, seq=1024, completion=512))
     assert base.reference_bytes == 4 * params                 # TRL loads the reference as the policy: fp32
-    assert base.model_states_bytes == 4 * params + 2 * params + 4 * params + 8 * params   # + bf16 autocast copies
+    assert base.model_states_bytes == 16 * params             # fp32 weights, gradients, AdamW's two moments
+    bf16 = plan(config, Setup(method="grpo", beta=0.04, batch=8, seq=1024, completion=512, load_bytes=2))
+    assert bf16.model_states_bytes == 8 * params and bf16.reference_bytes == 2 * params   # all in bf16
+    # without gradient checkpointing autograd keeps autocast's bf16 casts of the fp32 weights
+    assert base.activations_bytes - bf16.activations_bytes == 2 * params
     deepspeed = plan(config, Setup(method="grpo", beta=0.04, engine="deepspeed"))
     assert deepspeed.reference_bytes == 2 * params and deepspeed.model_states_bytes == 20 * params  # bf16 weights
     assert plan(config, Setup(method="grpo", beta=0.0)).reference_bytes == 0       # TRL drops it at beta 0
@@ -106,10 +110,23 @@ def test_what_each_setting_changes():
     assert sft.generation_bytes == 0
     colocated = plan(config, Setup(vllm_share=0.3, gpu_bytes=80 * GIB))
     assert colocated.generation_bytes == int(0.3 * 80 * GIB)
-    for p in (base, lora, checkpointed, sft, colocated):
-        parts = ("model_states", "reference", "critic", "reward_model", "activations", "logits", "generation")
-        assert p.total_bytes == sum(getattr(p, f"{part}_bytes") for part in parts)
+    resident = ("weights", "optimizer", "reference", "critic", "reward_model")
+    for p in (base, lora, checkpointed, sft):      # one process, no accumulation: the gradients come as
+        backward = max(p.activations_bytes + p.logits_bytes, p.gradients_bytes)   # the activations go
+        peak = max(backward, p.generation_bytes)                                   # the KV cache goes first
+        assert p.total_bytes == sum(getattr(p, f"{part}_bytes") for part in resident) + peak
         assert p.model_states_bytes == p.weights_bytes + p.gradients_bytes + p.optimizer_bytes
+    assert colocated.total_bytes == sum(getattr(colocated, f"{part}_bytes") for part in resident + ("generation",)) \
+        + max(colocated.activations_bytes + colocated.logits_bytes, colocated.gradients_bytes)   # vLLM stays
+    for held in (Setup(accumulation=4), Setup(gpus=2), Setup(zero=2)):   # gradients outlive the step's start
+        p = plan(config, held)
+        backward = p.gradients_bytes + p.activations_bytes + p.logits_bytes
+        assert p.total_bytes == sum(getattr(p, f"{part}_bytes") for part in resident) + \
+            max(backward, p.gradients_bytes + p.generation_bytes)
+    gathered = plan(config, Setup(zero=3, gpus=8, gather_for_generation=True, batch=64, seq=4096))
+    assert gathered.generation_bytes == plan(config, Setup(zero=3, gpus=8, batch=64, seq=4096)).generation_bytes \
+        + 2 * params                                                    # TRL gathers the whole bf16 model to sample
+    assert plan(config, Setup(vllm_server=True)).generation_bytes == 0
 
 
 def test_the_logit_tiles_are_trls():
