@@ -66,6 +66,14 @@ def run_workspace(args) -> None:
     from posttrain.ingest import check_pending
 
     workdir = args.workdir or (os.path.join("runs", Path(args.config).stem) if args.config else ".")
+    if not args.config and Path(workdir, "dvc.yaml").is_file() and Path(workdir, ".dvc").is_dir():
+        from flows.lock import lock  # a variant's workspace is rewritten first: the full path decides for it
+
+        with lock(workdir, log=lambda message: print(message, file=sys.stderr, flush=True)):
+            unchanged = quick_nothing_to_do(workdir)
+        if unchanged:
+            print(unchanged)
+            return
     servers_and_config("run", args.config or os.path.join(workdir, PARAMS_FILE), temporary_prefect=True)
     if args.config and not Path(workdir, "dvc.yaml").is_file():
         workspace.create(workdir, read_config_dict(Path(args.config)))
@@ -83,6 +91,37 @@ def run_workspace(args) -> None:
 
         ephemeral_api.bind_to_process()  # Prefect's temporary API server ends with this process, kill -9 included
         retrain(workdir=workdir)
+
+
+def quick_nothing_to_do(workdir: str) -> str | None:
+    """"Nothing to do" when the workspace is exactly a finished retrain run's (no new data,
+    DVC finds every stage up to date, a finished run recorded this dvc.lock and params file),
+    decided from the params file, DVC and the MLflow store alone: before the full check
+    (which imports TRL) and before Prefect's temporary server starts, the seconds a no-op
+    run would spend. That params file passed the full check when the run it matches ran.
+    None, and the full path decides, when anything differs or cannot be read here, or the
+    tracking store is a server that does not answer at once (MLflow's client would retry
+    for minutes)."""
+    from posttrain import ingest
+    from posttrain.config import PipelineConfig, read_config_dict
+    from posttrain.probe import http_problem
+    from posttrain.tracking import finished_run, nothing_to_do, tracking_uri
+
+    try:
+        if not Path(workdir, "dvc.yaml").is_file() or ingest.pending(workdir):
+            return None
+        config = PipelineConfig.model_validate(read_config_dict(Path(workdir, PARAMS_FILE)))
+        uri = tracking_uri(config, workdir)
+        if uri.startswith(("http://", "https://")) and http_problem(uri.rstrip("/") + "/health", 2.0):
+            return None
+        found = finished_run(workdir, config, uri)
+        if found:  # under the lock, as the flow does: what a killed run left RUNNING is dead
+            from posttrain import crash
+
+            crash.mark_dead_runs(uri, os.path.abspath(workdir), f"process {os.getpid()} (posttrain run: nothing to do)")
+    except Exception:  # noqa: BLE001 - any doubt: the full path checks and reports it
+        return None
+    return nothing_to_do(*found, uri) if found else None
 
 
 def servers_and_config(command: str, config_path: str, *, temporary_prefect: bool):

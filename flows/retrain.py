@@ -18,7 +18,7 @@ from flows.lock import lock
 from posttrain import summary
 from posttrain.config import load_config
 from posttrain.layout import PARAMS_FILE
-from posttrain.tracking import run_link, tracking_uri
+from posttrain.tracking import nothing_to_do, tracking_uri
 from tasks.data import previous_result, version_data
 from tasks.dvc_stages import push_data, record_stage, repro_stage, stage_order, start_stage_run
 from tasks.recovery import mark_dead_runs
@@ -49,8 +49,7 @@ def retrain(workdir: str = ".") -> dict:
         previous = None if added else previous_result(workdir, config, uri)
         if previous:
             run_id, experiment = previous
-            text = (f"Nothing to do: data and config are unchanged since retrain run {run_id}, which finished; "
-                    f"its results stand.\n\nMLflow run: {run_id}\nOpen it: {run_link(uri, experiment, run_id)}")
+            text = nothing_to_do(run_id, experiment, uri)
             results = {"nothing_to_do": True, "previous_run": run_id}
         else:
             results, text = run_pipeline(config, workdir, uri)

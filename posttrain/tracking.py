@@ -196,3 +196,36 @@ def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
     if parts.scheme in ("http", "https"):
         return f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path.rstrip('/')}/{path}"
     return f"http://127.0.0.1:5000/{path} (after `mlflow ui --backend-store-uri {redact_uri(tracking_uri)}`)"
+
+
+def finished_run(workdir: str | Path, config, uri: str) -> tuple[str, str] | None:
+    """(run id, experiment id) of a finished retrain run made from exactly this state, if any.
+
+    The state is the same when DVC finds every stage up to date (code, params, data and
+    outputs as `dvc.lock` records them) and a finished run recorded this `dvc.lock` and
+    this config file (which also holds what dvc.yaml does not read: promotion, tracking).
+    """
+    from dvc.repo import Repo
+    from mlflow import MlflowClient
+
+    lock = dvc_lock_hashes(workdir).get("dvc.lock_md5")
+    if not lock:
+        return None
+    with Repo(str(workdir)) as repo:
+        if repo.status():
+            return None
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name(config.tracking.experiment)
+    if experiment is None:
+        return None
+    found = client.search_runs(
+        [experiment.experiment_id], max_results=1, order_by=["attributes.start_time DESC"],
+        filter_string=(f"tags.`posttrain.flow` = 'retrain' and attributes.status = 'FINISHED' and "
+                       f"tags.`dvc.lock_md5` = '{lock}' and tags.`posttrain.config_md5` = '{config_md5(workdir)}'"))
+    return (found[0].info.run_id, experiment.experiment_id) if found else None
+
+
+def nothing_to_do(run_id: str, experiment: str, uri: str) -> str:
+    """What a run says when its inputs are exactly a finished run's."""
+    return (f"Nothing to do: data and config are unchanged since retrain run {run_id}, which finished; "
+            f"its results stand.\n\nMLflow run: {run_id}\nOpen it: {run_link(uri, experiment, run_id)}")

@@ -201,7 +201,6 @@ def missing_deps(root: Path = REPO) -> list[str]:
     ("prepare", "posttrain/rewards.py", True),        # config.py imports it inside a function
     ("prepare", "posttrain/envs/arithmetic.py", True),  # environments load by name
     ("evaluate", "posttrain/engine/sample.py", True),   # `python -m posttrain.engine.sample` subprocess
-    ("serving", "posttrain/engine/check.py", True),     # `python -m posttrain.engine.check` subprocess
     ("serving", "posttrain/engine/loadtest.py", True),       # imported inside a function
     ("prepare", "posttrain/__init__.py", True),       # runs before any posttrain module
     ("serving", "posttrain/training.py", False),      # only the training stages import it

@@ -56,6 +56,23 @@ def vllm_server(model_dir: str, *, kv_memory_bytes: int, context_length: int, ma
             os.killpg(proc.pid, 9)
 
 
+def server_capacity(url: str) -> dict:
+    """The engine's own KV capacity, from its cache config as the server publishes it on
+    /metrics (`vllm:cache_config_info`, read with prometheus_client's parser): block size,
+    number of blocks, KV cache tokens, maximum concurrency at the model length, dtypes."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    info = next((sample.labels for family in text_string_to_metric_families(text)
+                 if family.name == "vllm:cache_config_info" for sample in family.samples), None)
+    if info is None:
+        raise RuntimeError(f"the vLLM server at {url} publishes no vllm:cache_config_info on /metrics")
+    return {"block_size": int(info["block_size"]), "num_blocks": int(info["num_gpu_blocks"]),
+            "kv_cache_tokens": int(info["kv_cache_size_tokens"]),
+            "max_concurrency": float(info["kv_cache_max_concurrency"]), "kv_cache_dtype": info.get("cache_dtype", "")}
+
+
 async def _send_all(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> list[dict]:
     import httpx
 

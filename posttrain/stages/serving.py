@@ -2,8 +2,9 @@
 
 Predicted from the model's config and weights' size with vLLM's arithmetic
 (`posttrain.kv`) on the configured GPU profile and context length, and checked against
-real vLLM on this machine: the model is loaded with a fixed KV memory, and vLLM's own
-block count, KV cache tokens and maximum concurrency must equal the prediction.
+real vLLM on this machine: the model is served with a fixed KV memory, vLLM's own block
+count, KV cache tokens and maximum concurrency must equal the prediction, and the same
+server takes the load test (one engine start for both).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import mlflow
 
 from posttrain import kv
 from posttrain.errors import GateFailure, PredictionMismatch
-from posttrain.files import read_json, read_jsonl, write_json
+from posttrain.files import read_jsonl, write_json
 from posttrain.kv import capacity, concurrency_by_context, kv_spec, load_config_json, paging
 from posttrain.layout import final_model_dir, resolve_model_dir
 from posttrain.profiles import load_gpu_profile
@@ -80,29 +81,12 @@ def concurrency_plot(model_dir: str, serving, profile: dict, plot_path: str) -> 
     plt.close(fig)
 
 
-def check_with_vllm(model_dir: str, check, context_length: int) -> dict:
-    """Run `posttrain.engine.check` in its own process and compare with the prediction.
-
-    The context is capped at the model's `max_position_embeddings` (vLLM refuses more);
-    the block size is whatever the engine chose (128 on CPU, 16 on most GPUs).
-    """
-    import subprocess
-    import sys
-    import tempfile
-
-    model_config = load_config_json(model_dir)
-    context = min(context_length, int(model_config.get("max_position_embeddings", context_length)))
-    kv_memory = check.kv_memory_mib * 2**20
-    with tempfile.TemporaryDirectory() as tmp:
-        out = f"{tmp}/vllm.json"
-        done = subprocess.run([sys.executable, "-m", "posttrain.engine.check", model_dir, "--kv-memory-bytes",
-                               str(kv_memory), "--context", str(context), "--dtype", engine_dtype(check.dtype), "--out", out],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"vLLM could not load {model_dir}: {done.stderr.strip()[-800:]}")
-        reported = read_json(out)
-    predicted = capacity(kv_spec(model_config), kv_memory_bytes=kv_memory, block_size=reported["block_size"],
-                         context_length=context)
+def compare_with_vllm(model_dir: str, reported: dict, *, kv_memory: int, context: int) -> dict:
+    """vLLM's own capacity (`reported`: the engine's cache config) against the prediction
+    for the same KV memory and context, at the block size the engine chose (128 on the CPU,
+    16 on most GPUs); `PredictionMismatch` naming every figure that differs."""
+    predicted = capacity(kv_spec(load_config_json(model_dir)), kv_memory_bytes=kv_memory,
+                         block_size=reported["block_size"], context_length=context)
     fields = ("num_blocks", "kv_cache_tokens", "max_concurrency")
     wrong = [f"{f}: predicted {getattr(predicted, f)}, vLLM {reported[f]}" for f in fields
              if abs(getattr(predicted, f) - reported[f]) > 1e-6]
@@ -124,44 +108,49 @@ def engine_dtype(dtype: str) -> str:
     return "bfloat16" if torch.cuda.is_available() else "float16"
 
 
-def run_load_test(model_dir: str, serving, prompts: list[str]) -> dict:
-    """Throughput and latency behind vLLM's server; a failed request fails the stage."""
-    from posttrain.engine.loadtest import load_test, vllm_server
+def check_with_vllm(model_dir: str, serving, prompts: list[str]) -> dict:
+    """Real vLLM on this machine, started once (its OpenAI server on loopback, with the KV
+    memory `serving.vllm_check` fixes): its own capacity, read from the engine's cache
+    config on the server's /metrics, against the prediction; then the load test, sending
+    `prompts` more at once than the engine runs (they queue). Each as `serving:` enables it;
+    a failed request fails the stage. The context is capped at the model's
+    `max_position_embeddings` (vLLM refuses more)."""
+    from posttrain.engine.loadtest import load_test, server_capacity, vllm_server
 
-    settings = serving.load_test
+    check, settings = serving.vllm_check, serving.load_test
     context = min(serving.context_length, int(load_config_json(model_dir).get("max_position_embeddings", 10**9)))
-    batch = (prompts * (settings.requests // max(1, len(prompts)) + 1))[:settings.requests]
-    with vllm_server(model_dir, kv_memory_bytes=serving.vllm_check.kv_memory_mib * 2**20, context_length=context,
-                     max_num_seqs=settings.max_num_seqs, dtype=engine_dtype(serving.vllm_check.dtype)) as url:
-        result = load_test(url, batch, concurrency=settings.concurrency, max_tokens=settings.max_tokens)
-    if result["failed_requests"]:
-        raise RuntimeError(f"load test: {result['failed_requests']} of {result['requests']} requests failed")
-    return {f"load_{k}": v for k, v in result.items()}
+    kv_memory = check.kv_memory_mib * 2**20
+    report = {}
+    with vllm_server(model_dir, kv_memory_bytes=kv_memory, context_length=context, max_num_seqs=settings.max_num_seqs,
+                     dtype=engine_dtype(check.dtype)) as url:
+        if check.enabled:
+            report.update(compare_with_vllm(model_dir, server_capacity(url), kv_memory=kv_memory, context=context))
+        if settings.enabled:
+            batch = (prompts * (settings.requests // max(1, len(prompts)) + 1))[:settings.requests]
+            result = load_test(url, batch, concurrency=settings.concurrency, max_tokens=settings.max_tokens)
+            if result["failed_requests"]:
+                raise RuntimeError(f"load test: {result['failed_requests']} of {result['requests']} requests failed")
+            report.update({f"load_{k}": v for k, v in result.items()})
+    return report
 
 
-def vllm_check_or_warn(model_dir: str, serving) -> dict:
-    """The vLLM cross-check's figures; a loud tag instead when it is off or vLLM is absent."""
-    if not serving.vllm_check.enabled:
-        mlflow.set_tag("posttrain.engine.check", "disabled in config (serving.vllm_check.enabled)")
+def vllm_or_warn(model_dir: str, serving, data_dir: str) -> dict:
+    """`check_with_vllm`'s figures; a loud tag for each part that is off or cannot run."""
+    tags = {"posttrain.engine.check": "disabled in config (serving.vllm_check.enabled)",
+            "posttrain.load_test": "disabled in config (serving.load_test.enabled)"}
+    enabled = {"posttrain.engine.check": serving.vllm_check.enabled, "posttrain.load_test": serving.load_test.enabled}
+    if not any(enabled.values()):
+        mlflow.set_tags(tags)
         return {}
     if importlib.util.find_spec("vllm") is None:
         print("posttrain: WARNING: vLLM is not installed: the KV prediction is not checked", flush=True)
-        mlflow.set_tag("posttrain.engine.check", "vllm not installed")
+        mlflow.set_tags({tag: "vllm not installed" if on else tags[tag] for tag, on in enabled.items()})
         return {}
-    result = check_with_vllm(model_dir, serving.vllm_check, serving.context_length)
-    mlflow.set_tag("posttrain.engine.check", "matched")
-    return result
-
-
-def load_test_or_warn(model_dir: str, serving, data_dir: str) -> dict:
-    if not serving.load_test.enabled or importlib.util.find_spec("vllm") is None:
-        why = "disabled in config (serving.load_test.enabled)" if not serving.load_test.enabled else "vllm not installed"
-        mlflow.set_tag("posttrain.load_test", why)
-        return {}
-    prompts = [r["prompt"] for r in read_jsonl(f"{data_dir}/heldout.jsonl")]
-    result = run_load_test(model_dir, serving, prompts)
-    mlflow.set_tag("posttrain.load_test", "passed")
-    return result
+    report = check_with_vllm(model_dir, serving, [r["prompt"] for r in read_jsonl(f"{data_dir}/heldout.jsonl")])
+    mlflow.set_tags({"posttrain.engine.check": "matched" if enabled["posttrain.engine.check"] else tags[
+        "posttrain.engine.check"], "posttrain.load_test": "passed" if enabled["posttrain.load_test"] else tags[
+        "posttrain.load_test"]})
+    return report
 
 
 def main(config, *, data_dir: str, models_dir: str, gpus_path: str, report_path: str, metrics_path: str,
@@ -171,8 +160,7 @@ def main(config, *, data_dir: str, models_dir: str, gpus_path: str, report_path:
         model_dir = resolve_model_dir(final_model_dir(config, models_dir))
         report = predict(model_dir, config.serving, profile)
         concurrency_plot(model_dir, config.serving, profile, plot_path)
-        report.update(vllm_check_or_warn(model_dir, config.serving))
-        report.update(load_test_or_warn(model_dir, config.serving, data_dir))
+        report.update(vllm_or_warn(model_dir, config.serving, data_dir))
         mlflow.log_table({"field": list(report), "value": [str(v) for v in report.values()]},
                          artifact_file="serving_report_table.json")
         report.update(check_slo(model_dir, config.serving, gpus_path))
