@@ -350,10 +350,18 @@ class PipelineConfig(Section):
     tracking: TrackingSection = TrackingSection()
     orchestration: OrchestrationSection = OrchestrationSection()
 
+    def stage_section(self, stage: str) -> SFTSection | GRPOStage:
+        """The section of training stage `stage` (`sft` or `grpo@NAME`)."""
+        return self.sft if stage == "sft" else self.grpo[stage.split("@", 1)[1]]
+
     def stage_launcher(self, stage: str) -> LauncherSection:
         """How training stage `stage` (`sft` or `grpo@NAME`) trains: its own `launcher`, else the pipeline's."""
-        own = self.sft.launcher if stage == "sft" else self.grpo[stage.split("@", 1)[1]].launcher
-        return own or self.launcher
+        return self.stage_section(stage).launcher or self.launcher
+
+    def launcher_field(self, stage: str) -> str:
+        """The config field `stage_launcher(stage)` comes from: `launcher`, or e.g. `grpo.dense.launcher`."""
+        own = self.stage_section(stage).launcher is not None
+        return ("sft" if stage == "sft" else f"grpo.{stage.split('@', 1)[1]}") + ".launcher" if own else "launcher"
 
     @field_validator("grpo")
     @classmethod
@@ -777,6 +785,7 @@ def _plain(hint):
     return Any if nested(hint) else hint
 
 
+@functools.cache
 @functools.cache
 def trl_schema(cls) -> type[BaseModel]:
     """A pydantic model of `cls`'s options from TRL's (or peft's) own annotations, strict (YAML reads

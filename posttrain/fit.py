@@ -27,14 +27,10 @@ import re
 from pathlib import Path
 
 from posttrain.errors import UserError
-from posttrain.machine import training_stages
+from posttrain.machine import cuda_devices, training_stages
 from posttrain.memory import GIB, LINEAR_NAMES, LINEARS, Setup, optimizer_state_bytes, plan
 
 FIX_LORA_RANK = 16  # the adapter a fix proposes: rank 16 on every linear
-
-
-def stage_section(config, stage: str):
-    return config.sft if stage == "sft" else config.grpo[stage.split("@", 1)[1]]
 
 
 def model_config(config) -> dict:
@@ -68,10 +64,10 @@ def sharding(launcher, where: str) -> dict:
         ds = loaded.deepspeed_config or {}
         stage, optimizer, params = ds.get("zero_stage", 0), ds.get("offload_optimizer_device"), \
             ds.get("offload_param_device")
-        if ds.get("deepspeed_config_file"):  # DeepSpeed's own JSON holds them
-            zero = deepspeed_json(ds["deepspeed_config_file"], f"{where}.accelerate_config").get("zero_optimization", {})
-            stage, optimizer, params = zero.get("stage", 0), (zero.get("offload_optimizer") or {}).get("device"), \
-                (zero.get("offload_param") or {}).get("device")
+        if ds.get("deepspeed_config_file"):  # DeepSpeed's own JSON holds them: read by accelerate's reader
+            json_config = deepspeed_json(ds["deepspeed_config_file"], f"{where}.accelerate_config")
+            stage, optimizer, params = (json_config.get_value(f"zero_optimization.{key}") for key in
+                                        ("stage", "offload_optimizer.device", "offload_param.device"))
         stage = int(stage) if str(stage).isdigit() else 0
         return {"zero": stage, "engine": "deepspeed", "offload_optimizer": optimizer in ("cpu", "nvme"),
                 "offload_params": stage == 3 and params in ("cpu", "nvme")}
@@ -82,15 +78,15 @@ def sharding(launcher, where: str) -> dict:
     return {"zero": 0, "engine": "trainer"}
 
 
-def deepspeed_json(file: str, where: str) -> dict:
-    import json
+def deepspeed_json(file: str, where: str):
+    """DeepSpeed's JSON config, through accelerate's `HfDeepSpeedConfig`."""
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig
 
     try:
-        loaded = json.loads(Path(file).read_text())
+        return HfDeepSpeedConfig(file)
     except (OSError, ValueError) as err:
         raise UserError(where, f"cannot read its deepspeed_config_file {file}: {type(err).__name__}",
                         "point it at DeepSpeed's JSON config") from None
-    return loaded if isinstance(loaded, dict) else {}
 
 
 def trl_default(cls_name: str, key: str):
@@ -151,7 +147,7 @@ def stage_setup(config, stage: str, *, prompt_chars: int, gpu: bool, where: str)
     from posttrain.yamlfile import schema_error
     from pydantic import ValidationError
 
-    section = stage_section(config, stage)
+    section = config.stage_section(stage)
     field = dict(training_stages(config))[stage]
     file = where.split(": ")[0]
     trl, cls = section.trl, "SFTConfig" if stage == "sft" else "GRPOConfig"
@@ -210,10 +206,9 @@ def stage_plan(config, stage: str, *, config_path: str | Path, prompt_chars: int
     declared that is a `UserError` (nothing would be checked)."""
     path = Path(config_path)
     field = dict(training_stages(config))[stage]
-    launcher = config.stage_launcher(stage)
-    where = f"{path}: {field}.launcher" if launcher is not config.launcher else f"{path}: launcher"
+    where = f"{path}: {config.launcher_field(stage)}"
     limit = budget(config, path.parent)
-    gpu = limit is not None or _cuda_here()
+    gpu = limit is not None or cuda_devices() > 0
     setup = stage_setup(config, stage, prompt_chars=prompt_chars, gpu=gpu, where=where)
     model = model_config(config)
     gpu_bytes = limit[1] if limit else 0  # a colocated vLLM takes its share of the whole GPU
@@ -238,12 +233,6 @@ def stage_plan(config, stage: str, *, config_path: str | Path, prompt_chars: int
                                                                     dataclasses.replace(setup, gpu_bytes=gpu_bytes),
                                                                     limit[0], path)
     return result
-
-
-def _cuda_here() -> bool:
-    from posttrain.machine import cuda_devices
-
-    return cuda_devices() > 0
 
 
 def cheapest_fix(config, stage: str, field: str, model: dict, setup: Setup, limit: int,
@@ -325,7 +314,7 @@ def accepted(config, stage: str, batch: int, steps: int, path: Path) -> bool:
         return True
     from trl import GRPOConfig
 
-    section = stage_section(config, stage)
+    section = config.stage_section(stage)
     options = {**grpo_trl_options(section), "per_device_train_batch_size": batch, "gradient_accumulation_steps": steps}
     try:
         build_trl_config(f"{path}: {stage}", across(GRPOConfig, config.stage_launcher(stage)), options,
@@ -370,8 +359,7 @@ def checked_plan(config, stage: str, *, config_path: str | Path, prompt_chars: i
     field = dict(training_stages(config))[stage]
     launcher = config.stage_launcher(stage)
     if config.training.num_gpus is not None and launcher.processes > config.training.num_gpus:
-        where = f"{field}.launcher" if launcher is not config.launcher else "launcher"
-        raise UserError(f"{config_path}: {where}.processes", f"{launcher.processes} processes per node, but "
+        raise UserError(f"{config_path}: {config.launcher_field(stage)}.processes", f"{launcher.processes} processes per node, but "
                         f"training.num_gpus declares {config.training.num_gpus} GPUs per node",
                         f"set processes to at most {config.training.num_gpus}, or raise training.num_gpus")
     result = stage_plan(config, stage, config_path=config_path, prompt_chars=chars)

@@ -33,9 +33,9 @@ def check(path, config, *, here: bool = True) -> None:
     cuda = cuda_devices() if here and (launched or vllm) else 0  # torch imported only when it matters
     for stage, field in training_stages(config):
         launcher = config.stage_launcher(stage)
-        where = f"{path}: {field}.launcher" if launcher is not config.launcher else f"{path}: launcher"
+        where = f"{path}: {config.launcher_field(stage)}"
         loaded = accelerate_config(where, launcher.accelerate_config) if launcher.accelerate_config else None
-        peft = config.sft.peft if stage == "sft" else config.grpo[stage[5:]].peft
+        peft = config.stage_section(stage).peft
         if peft is not None and loaded is not None and sharded(loaded):
             raise UserError(f"{where}.accelerate_config", "LoRA (`peft:`) with weights sharded over the GPUs (ZeRO-3, "
                             "FSDP) is not supported: the adapter and the merged model would be saved from shards",
