@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: install run test test-fast repro bench bench-seeds clean
+.PHONY: install run test test-fast repro bench bench-throughput bench-scaling bench-seeds clean
 
 install: $(VENV)/.installed
 
@@ -38,8 +38,17 @@ test: install
 test-fast: install
 	$(BIN)/pytest -m "not slow"
 
+# the last run's wall time: the stages' own compute against everything else
 bench: install
 	$(BIN)/python bench/orchestration_overhead.py
+
+# posttrain's GRPO stage against bare TRL, alternating rounds (about 10 min on 2 cores)
+bench-throughput: install
+	$(BIN)/python bench/grpo_throughput.py
+
+# GRPO wall time against steps, evaluation against prompts x samples (about 15 min on 2 cores)
+bench-scaling: install
+	$(BIN)/python bench/cost_scaling.py
 
 # the default pipeline over seeds 0-4 (about an hour on 2 cores); ROOT keeps the workspaces
 bench-seeds: install

@@ -786,7 +786,6 @@ def _plain(hint):
 
 
 @functools.cache
-@functools.cache
 def trl_schema(cls) -> type[BaseModel]:
     """A pydantic model of `cls`'s options from TRL's (or peft's) own annotations, strict (YAML reads
     `1e-3` as a string: it must not reach the optimizer) and bounded by TRL_BOUNDS."""

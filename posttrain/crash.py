@@ -15,11 +15,16 @@ from pathlib import Path
 
 CRASH_TAG = "posttrain.crashed"  # on a run marked dead: who died, who marked it, when
 PID_TAG, HOST_TAG = "posttrain.pid", "posttrain.host"  # on a retrain run: the process running it
+STARTED_TAG = "posttrain.process_started"  # ... and when it started (epoch seconds): make bench's wall time
 
 
 def process_tags() -> dict[str, str]:
-    """The process running a retrain run: what the next run names when it finds the run dead."""
-    return {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}
+    """The process running a retrain run: what the next run names when it finds the run
+    dead, and when the process started (its wall time includes what precedes the run)."""
+    import psutil
+
+    return {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname(),
+            STARTED_TAG: f"{psutil.Process().create_time():.3f}"}
 
 
 def mark_dead_runs(tracking_uri: str, workspace: str | Path, marked_by: str) -> list[str]:

@@ -28,14 +28,21 @@ def resolve_backend(backend: str) -> str:
 
 
 def sample_models(models: dict[str, str], prompts: list[str], *, backend: str, n: int, temperature: float,
-                  max_new_tokens: int, seed: int) -> dict[str, tuple[list[str], list[list[str]]]]:
-    """Each model's greedy completion and `n` sampled completions per prompt."""
+                  max_new_tokens: int, seed: int, greedy_known: dict[str, list[str]] | None = None,
+                  ) -> dict[str, tuple[list[str], list[list[str]]]]:
+    """Each model's greedy completion and `n` sampled completions per prompt.
+
+    greedy_known: model name -> its greedy completions of `prompts`, already decoded with
+    `generate` and these settings (a gate's, `known_greedy`); the transformers backend
+    does not decode them again.
+    """
     if resolve_backend(backend) == "vllm":
         return _sample_vllm(models, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
     out = {}
     for name, model_dir in models.items():
         model, tokenizer = load_policy(model_dir)
-        greedy = generate(model, tokenizer, prompts, n=1, temperature=0.0, max_new_tokens=max_new_tokens, seed=seed)
+        greedy = [[g] for g in (greedy_known or {}).get(name, [])] or \
+            generate(model, tokenizer, prompts, n=1, temperature=0.0, max_new_tokens=max_new_tokens, seed=seed)
         sampled = generate(model, tokenizer, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens,
                            seed=seed)
         out[name] = ([g[0] for g in greedy], sampled)
@@ -87,6 +94,21 @@ def score(env, rows: list[dict], greedy: list[str], sampled: list[list[str]], *,
               "pass_at_k": {str(k): mean_pass_at_k(correct, n, k) for k in ks},
               **stats.intervals(outcomes(samples, n), ks, resamples=resamples, seed=seed)}
     return result, samples
+
+
+def known_greedy(evaluations: dict[str, dict | None], prompts: list[str], max_new_tokens: int) -> dict[str, list[str]]:
+    """Model name -> its greedy completions of `prompts`, from the gate evaluations the
+    training stages stored in their model cards (`posttrain.training.gate_evaluation`),
+    for each model whose evaluation decoded every prompt with the same `max_new_tokens`."""
+    known = {}
+    for name, evaluation in evaluations.items():
+        greedy = (evaluation or {}).get("greedy")
+        if not greedy or greedy["max_new_tokens"] != max_new_tokens:
+            continue
+        by_prompt = dict(zip(evaluation["outcomes"]["prompts"], greedy["completions"]))
+        if all(p in by_prompt for p in prompts):
+            known[name] = [by_prompt[p] for p in prompts]
+    return known
 
 
 def outcomes(samples: list[dict], n: int) -> dict:

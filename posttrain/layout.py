@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from posttrain.files import read_json
+from posttrain.files import read_json, write_json
 
 BASE_POINTER = "posttrain_base.json"
+CARD = "posttrain_card.json"  # beside a trained model's weights: its held-out evaluation, the gate's verdict
 # A workspace's config: dvc.yaml reads its params from this file.
 PARAMS_FILE = "configs/pipeline.yaml"
 
@@ -30,3 +31,13 @@ def model_dirs(config, models_dir: str) -> dict[str, str]:
 def final_model_dir(config, models_dir: str) -> str:
     """The pipeline's result: what the last GRPO stage output (trained, or carried through)."""
     return str(Path(models_dir) / list(config.grpo)[-1])
+
+
+def read_card(model_dir: str | Path) -> dict:
+    """The model card a training stage left next to its weights ({} when there is none)."""
+    path = Path(model_dir) / CARD
+    return read_json(path) if path.is_file() else {}
+
+
+def write_card(model_dir: str | Path, card: dict) -> None:
+    write_json(Path(model_dir) / CARD, card)

@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 from posttrain.redact import redact_uri
@@ -43,6 +44,23 @@ def experiment_id(config, workspace: str | Path = ".") -> str:
     return mlflow.create_experiment(config.tracking.experiment, artifact_location=location)
 
 
+COMPUTE_PREFIX = "compute."  # a stage run's metric `compute.<part>_seconds`: the seconds of its own work
+_compute: dict[str, float] = {}
+
+
+@contextlib.contextmanager
+def compute(part: str):
+    """Time a piece of the stage's own work (training, sampling, a gate's evaluation, the
+    vLLM check): the stage run logs the sum per part as `compute.<part>_seconds` when it
+    ends. `make bench` holds the stage's wall time against them: the rest is overhead
+    (process start, imports, DVC, MLflow)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _compute[part] = _compute.get(part, 0.0) + time.perf_counter() - start
+
+
 @contextlib.contextmanager
 def stage_run(config, stage: str, workspace: str | Path = "."):
     """The MLflow run of one stage, active for the duration of the block.
@@ -60,10 +78,13 @@ def stage_run(config, stage: str, workspace: str | Path = "."):
     if not run_id:
         mlflow.set_tags(provenance(config, workspace))
     status = "FAILED"
+    _compute.clear()
     try:
         yield run
         status = "FINISHED"
     finally:
+        if _compute:
+            mlflow.log_metrics({f"{COMPUTE_PREFIX}{part}_seconds": seconds for part, seconds in _compute.items()})
         mlflow.end_run(status)
 
 

@@ -7,9 +7,7 @@ from pathlib import Path
 
 from posttrain import launch
 from posttrain.evaluation import evaluate_model, outcomes
-from posttrain.files import read_json, read_jsonl, write_json
-
-CARD = "posttrain_card.json"
+from posttrain.files import read_jsonl
 
 
 def last_complete_checkpoint(checkpoint_dir: str) -> str | None:
@@ -45,6 +43,18 @@ def train(trainer, checkpoint_dir: str) -> tuple[float, int]:
     seconds = time.perf_counter() - start
     launch.report(trainer, recorder, checkpoint_dir)
     return seconds, resumed
+
+
+def log_to_mlflow(trainer) -> None:
+    """The trainer's logs (loss, rewards, KL, TRL's `step_time`) to the active MLflow run,
+    by transformers' MLflow callback added as a callback: the stages build their TRL
+    config with `report_to=[]`. With "mlflow" in `report_to`, TRL also logs a timing to
+    MLflow for every profiled call (generation, each reward function, the loss: several a
+    step), each a round trip to the tracking store: 6% of a default GRPO step on SQLite,
+    and more with MLflow's asynchronous logging (bench/grpo_throughput.py)."""
+    from transformers.integrations import MLflowCallback
+
+    trainer.add_callback(MLflowCallback)
 
 
 ADAPTER_DIR = "adapter"  # inside a LoRA stage's model folder: the adapter the merged model was made from
@@ -87,13 +97,15 @@ def save_model(trainer, out_dir: str) -> None:
 
 def gate_evaluation(model_dir: str, env, config, data_dir: str) -> dict:
     """Held-out greedy accuracy and the gate's pass@k for one model, with their 95%
-    intervals and the per-prompt `outcomes` the gate's paired tests read."""
+    intervals, the per-prompt `outcomes` the gate's paired tests read, and the greedy
+    completions themselves (`greedy`: the evaluate stage reuses them, posttrain.evaluation)."""
     gate = config.gate
     rows = read_jsonl(Path(data_dir) / "heldout.jsonl")[:gate.max_prompts]
     result, samples = evaluate_model(model_dir, env, rows, n_samples=gate.n_samples, temperature=gate.temperature,
                                      ks=[gate.k], max_new_tokens=config.evaluate.max_new_tokens, seed=config.seed,
                                      resamples=config.stats.bootstrap_resamples)
-    return {**result, "outcomes": outcomes(samples, gate.n_samples)}
+    return {**result, "outcomes": outcomes(samples, gate.n_samples),
+            "greedy": {"max_new_tokens": config.evaluate.max_new_tokens, "completions": [s["completion"] for s in samples]}}
 
 
 def gate_figures(evaluation: dict, k: int, prefix: str = "") -> dict:
@@ -104,13 +116,3 @@ def gate_figures(evaluation: dict, k: int, prefix: str = "") -> dict:
             f"{prefix}greedy_accuracy_ci95": evaluation["greedy_accuracy_ci95"],
             f"{prefix}pass_at_{k}": evaluation["pass_at_k"][key],
             f"{prefix}pass_at_{k}_ci95": evaluation["pass_at_k_ci95"][key]}
-
-
-def read_card(model_dir: str) -> dict:
-    """The model card a training stage left next to its weights ({} when there is none)."""
-    path = Path(model_dir) / CARD
-    return read_json(path) if path.is_file() else {}
-
-
-def write_card(model_dir: str, card: dict) -> None:
-    write_json(Path(model_dir) / CARD, card)

@@ -48,3 +48,16 @@ def test_vllm_and_transformers_agree(trained_model):
         # 80 prompts x 32 samples: pass@1's standard error is about 0.01
         assert vllm[name]["pass_at_k"]["1"] == pytest.approx(hf[name]["pass_at_k"]["1"], abs=0.05)
         assert vllm[name]["pass_at_k"]["8"] == pytest.approx(hf[name]["pass_at_k"]["8"], abs=0.06)
+
+
+def test_greedy_decodes_a_gate_made_are_reused_only_when_they_match():
+    """The evaluate stage takes a model's greedy completions from its card when the gate
+    decoded every prompt with the same max_new_tokens; otherwise it decodes them itself."""
+    from posttrain.evaluation import known_greedy
+
+    gate = {"outcomes": {"prompts": ["1+1=", "2+2=", "3+3="]},
+            "greedy": {"max_new_tokens": 5, "completions": ["2", "4", "7"]}}
+    evaluations = {"sft": gate, "base": None, "old": {"outcomes": {"prompts": ["1+1="]}}}
+    assert known_greedy(evaluations, ["3+3=", "1+1="], 5) == {"sft": ["7", "2"]}
+    assert known_greedy(evaluations, ["3+3=", "1+1="], 6) == {}          # another length: decode again
+    assert known_greedy(evaluations, ["3+3=", "9+9="], 5) == {}          # a prompt the gate did not see

@@ -162,3 +162,17 @@ def test_exported_secrets_reach_no_file(flow_runs):
         data = path.read_bytes()
         leaked = [name for name, value in SECRETS.items() if value.encode() in data]
         assert not leaked, f"{leaked} in {path}"
+
+
+def test_bench_splits_the_last_run_into_compute_and_the_rest(flow_runs):
+    """`make bench` on the workspace: the last finished run (the second: evaluate reran,
+    the rest was cached), its wall time split into the stages' own compute and the rest."""
+    from conftest import BIN
+
+    ws = flow_runs[0]
+    done = sh(BIN / "python", Path(__file__).parents[1] / "bench" / "orchestration_overhead.py", ws, cwd=ws)
+    lines = done.stdout.splitlines()
+    evaluate = next(line for line in lines if line.strip().startswith("evaluate "))
+    assert "compute" in evaluate and "sampling" in evaluate and "cached" not in evaluate
+    assert "(cached by DVC)" in next(line for line in lines if line.strip().startswith("sft "))
+    assert re.search(r"^everything else +[\d.]+ s \([\d.]+% of wall; goal <= 10%: (met|not met)\)$", lines[-1])

@@ -58,6 +58,16 @@ def test_each_stage_logs_a_run_with_trl_curves(reproduced):
     assert grpo["metrics.guardrails/unparseable/hit_rate"] >= 0            # guardrail hits per step
     assert grpo["metrics.stage.frac_reward_zero_std_mean"] >= 0 and grpo["tags.posttrain.gate"] == "accepted"
     assert by_stage["prepare"]["tags.git.commit"]                          # a stage run alone carries provenance
+    # not TRL's per-call timings: a store round trip each, several a step (posttrain.training.log_to_mlflow)
+    assert not [k for k in runs if k.startswith("metrics.profiling/")] and grpo["metrics.step_time"] > 0
+    # each stage's own compute, timed by the stage (make bench holds the wall time against it)
+    parts = {stage: {k.split(".", 2)[2] for k, v in row.items() if k.startswith("metrics.compute.") and v == v}
+             for stage, row in by_stage.items()}
+    assert parts == {"prepare": {"data_seconds", "model_seconds"}, "sft": {"train_seconds", "gate_seconds"},
+                     "grpo@dense": {"filter_seconds", "train_seconds", "gate_seconds"}, "serving": set(),
+                     "evaluate": {"sampling_seconds"}}
+    # the greedy decodes the gates did are not done again (same prompts and max_new_tokens)
+    assert by_stage["evaluate"]["params.greedy_from_gates"] == "base,sft,grpo.dense"
 
 
 def test_dvc_plots_render(reproduced):

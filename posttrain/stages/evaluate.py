@@ -16,11 +16,11 @@ from pathlib import Path
 import mlflow
 
 from posttrain.envs import get_env
-from posttrain.evaluation import outcomes, resolve_backend, sample_models, score
+from posttrain.evaluation import known_greedy, outcomes, resolve_backend, sample_models, score
 from posttrain.files import read_jsonl, write_json
-from posttrain.layout import model_dirs
+from posttrain.layout import model_dirs, read_card
 from posttrain.rewards import curve_name, reward_channel
-from posttrain.tracking import flatten, stage_run
+from posttrain.tracking import compute, flatten, stage_run
 
 
 def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_path: str,
@@ -30,9 +30,12 @@ def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_
         env = get_env(config.data.env, **config.data.options)
         rows = read_jsonl(Path(data_dir) / "heldout.jsonl")[:settings.max_prompts]
         backend = resolve_backend(settings.backend)
-        completions = sample_models(model_dirs(config, models_dir), [r["prompt"] for r in rows], backend=backend,
-                                    n=settings.n_samples, temperature=settings.temperature,
-                                    max_new_tokens=settings.max_new_tokens, seed=config.seed)
+        models, prompts = model_dirs(config, models_dir), [r["prompt"] for r in rows]
+        reused = known_greedy(gate_evaluations(models), prompts, settings.max_new_tokens)
+        with compute("sampling"):
+            completions = sample_models(models, prompts, backend=backend, n=settings.n_samples,
+                                        temperature=settings.temperature, max_new_tokens=settings.max_new_tokens,
+                                        seed=config.seed, greedy_known=reused)
         channels = {curve_name(name): reward_channel(name).make(env) for name in reward_channels(config)}
         report, per_prompt = {}, {}
         for name, (greedy, sampled) in completions.items():
@@ -46,7 +49,8 @@ def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_
         report["grpo"], per_prompt["grpo"] = report[final], per_prompt[final]
         write_json(outcomes_path, per_prompt)
         mlflow.log_params({"heldout_prompts": len(rows), "n_samples": settings.n_samples,
-                           "temperature": settings.temperature, "sampling_backend": backend})
+                           "temperature": settings.temperature, "sampling_backend": backend,
+                           "greedy_from_gates": ",".join(reused) if backend == "transformers" else ""})
         mlflow.log_metrics(flatten(report))
         write_json(metrics_path, report)
         write_json(accuracy_plot, [{"model": m, "greedy_accuracy": r["greedy_accuracy"]} for m, r in report.items()])
@@ -54,6 +58,15 @@ def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_
                                     for m, r in curves.items() for k, v in r["pass_at_k"].items()])
         plot_pass_at_k(curves, pass_at_k_png, settings.temperature, settings.n_samples)
     return report
+
+
+def gate_evaluations(models: dict[str, str]) -> dict[str, dict | None]:
+    """Each model's held-out evaluation by the training stages' gates, from the model cards:
+    the base and SFT models' in the SFT card, each GRPO stage's output's in its own (a
+    rejected stage's card carries the evaluation of the model it passed on)."""
+    sft = read_card(models["sft"])
+    return {"base": sft.get("base"), "sft": sft.get("eval"),
+            **{name: read_card(path).get("eval") for name, path in models.items() if name.startswith("grpo.")}}
 
 
 def reward_channels(config) -> list[str]:

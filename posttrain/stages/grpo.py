@@ -19,11 +19,11 @@ from posttrain.config import build_trl_config, grpo_trl_options
 from posttrain.envs import get_env
 from posttrain.evaluation import pass_rates
 from posttrain.files import read_jsonl, write_json
-from posttrain.layout import PARAMS_FILE
+from posttrain.layout import PARAMS_FILE, read_card, write_card
 from posttrain.gate import decide, reward_trend
 from posttrain.rewards import build_rewards
-from posttrain.tracking import flatten, stage_run
-from posttrain.training import gate_evaluation, gate_figures, lora_config, read_card, save_model, train, write_card
+from posttrain.tracking import compute, flatten, stage_run
+from posttrain.training import gate_evaluation, gate_figures, log_to_mlflow, lora_config, save_model, train
 
 ZERO_STD_WARNING = 0.5
 
@@ -35,18 +35,24 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
     with stage_run(config, f"grpo@{name}"):
         fit.log_plan(memory)
         env = get_env(config.data.env, **config.data.options)
-        previous = read_card(init_dir) or {"eval": gate_evaluation(init_dir, env, config, data_dir)}
+        previous = read_card(init_dir)
+        if not previous:
+            with compute("gate"):
+                previous = {"eval": gate_evaluation(init_dir, env, config, data_dir)}
         if previous.get("stopped_at"):
             return pass_through(init_dir, out_dir, previous, metrics_path, curve_path)
-        rows, metrics = filter_prompts(config, stage, env, init_dir, read_jsonl(Path(data_dir) / "train.jsonl"))
+        with compute("filter"):
+            rows, metrics = filter_prompts(config, stage, env, init_dir, read_jsonl(Path(data_dir) / "train.jsonl"))
         run_dir = checkpoints.run_dir(checkpoint_dir, [config.seed, stage.model_dump(),  # and the launcher, as in sft
                                                        config.stage_launcher(f"grpo@{name}").model_dump()],
                                       [Path(data_dir), init_dir])
-        trained = launch.train(config, f"grpo@{name}", f"{__name__}:train_job", {"name": name, "rows": rows,
-                               "init_dir": init_dir, "out_dir": out_dir, "run_dir": run_dir})
+        with compute("train"):
+            trained = launch.train(config, f"grpo@{name}", f"{__name__}:train_job", {"name": name, "rows": rows,
+                                   "init_dir": init_dir, "out_dir": out_dir, "run_dir": run_dir})
         curve = trained["curve"]
         metrics.update(trained["metrics"], world_size=float(trained["world_size"]))
-        candidate = gate_evaluation(out_dir, env, config, data_dir)
+        with compute("gate"):
+            candidate = gate_evaluation(out_dir, env, config, data_dir)
         decision = decide(previous["eval"], candidate, k=config.gate.k, tolerance=config.gate.tolerance,
                           alpha=config.stats.alpha, resamples=config.stats.bootstrap_resamples, seed=config.seed,
                           reward=reward_trend([point["reward"] for point in curve]), base=previous.get("base"))
@@ -99,11 +105,12 @@ def train_job(config, job: dict) -> dict:
     stage = config.grpo[name]
     funcs, _ = build_rewards(get_env(config.data.env, **config.data.options), stage.rewards, stage.guardrails)
     args = build_trl_config(f"grpo.{name}.trl", GRPOConfig, {"seed": config.seed, **grpo_trl_options(stage)},
-                            output_dir=run_dir, report_to=["mlflow"], run_name=name)
+                            output_dir=run_dir, report_to=[], run_name=name)
     dataset = Dataset.from_list(grpo_rows(job["rows"]))
     trainer = GRPOTrainer(model=init_dir, reward_funcs=funcs, args=args, train_dataset=dataset,
                           processing_class=AutoTokenizer.from_pretrained(init_dir),
                           peft_config=lora_config(f"grpo.{name}.peft", stage.peft))
+    log_to_mlflow(trainer)
     seconds, resumed = train(trainer, run_dir)
     save_model(trainer, job["out_dir"])
     logs = [e for e in trainer.state.log_history if "reward" in e]

@@ -18,18 +18,21 @@ from posttrain.files import write_json, write_jsonl
 from posttrain.ingest import extra_rows
 from posttrain.layout import BASE_POINTER
 from posttrain.tiny_model import save_tiny_model
-from posttrain.tracking import log_json_artifact, stage_run
+from posttrain.tracking import compute, log_json_artifact, stage_run
 
 
 def main(config, *, data_dir: str, datasets_dir: str, model_dir: str, metrics_path: str) -> dict[str, float]:
     with stage_run(config, "prepare"):
-        env = get_env(config.data.env, **config.data.options)
-        splits = env.generate(config.seed)
-        added = add_rows(splits, extra_rows(datasets_dir))
-        params = prepare_model(config, Path(model_dir))
-        if config.data.chat:  # the base model's chat template around every prompt (posttrain.chat)
-            splits = chat_splits(config, env, splits)
-        manifest = write_splits(splits, Path(data_dir))
+        with compute("data"):
+            env = get_env(config.data.env, **config.data.options)
+            splits = env.generate(config.seed)
+            added = add_rows(splits, extra_rows(datasets_dir))
+        with compute("model"):
+            params = prepare_model(config, Path(model_dir))
+        with compute("data"):
+            if config.data.chat:  # the base model's chat template around every prompt (posttrain.chat)
+                splits = chat_splits(config, env, splits)
+            manifest = write_splits(splits, Path(data_dir))
         metrics = {f"{name}_rows": float(len(rows)) for name, rows in splits.items()}
         metrics["datasets_rows"] = float(added)
         metrics["base_params"] = float(params)

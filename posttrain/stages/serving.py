@@ -19,7 +19,7 @@ from posttrain.files import read_jsonl, write_json
 from posttrain.kv import capacity, concurrency_by_context, kv_spec, load_config_json, paging
 from posttrain.layout import final_model_dir, resolve_model_dir
 from posttrain.profiles import load_gpu_profile
-from posttrain.tracking import log_json_artifact, stage_run
+from posttrain.tracking import compute, log_json_artifact, stage_run
 
 
 CONTEXTS = [2**i for i in range(9, 18)]  # 512 .. 131,072 tokens: the concurrency plot's x axis
@@ -146,7 +146,8 @@ def vllm_or_warn(model_dir: str, serving, data_dir: str) -> dict:
         print("posttrain: WARNING: vLLM is not installed: the KV prediction is not checked", flush=True)
         mlflow.set_tags({tag: "vllm not installed" if on else tags[tag] for tag, on in enabled.items()})
         return {}
-    report = check_with_vllm(model_dir, serving, [r["prompt"] for r in read_jsonl(f"{data_dir}/heldout.jsonl")])
+    with compute("vllm"):  # start, capacity check, load test
+        report = check_with_vllm(model_dir, serving, [r["prompt"] for r in read_jsonl(f"{data_dir}/heldout.jsonl")])
     mlflow.set_tags({"posttrain.engine.check": "matched" if enabled["posttrain.engine.check"] else tags[
         "posttrain.engine.check"], "posttrain.load_test": "passed" if enabled["posttrain.load_test"] else tags[
         "posttrain.load_test"]})

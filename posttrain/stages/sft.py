@@ -22,10 +22,10 @@ from posttrain.config import build_trl_config
 from posttrain.envs import get_env
 from posttrain.evaluation import check_format_contract
 from posttrain.files import read_jsonl, write_json
-from posttrain.layout import PARAMS_FILE, resolve_model_dir
+from posttrain.layout import PARAMS_FILE, resolve_model_dir, write_card
 from posttrain.stopping import StopOnTarget, carve_validation, validation_curve
-from posttrain.tracking import flatten, stage_run
-from posttrain.training import gate_evaluation, gate_figures, lora_config, save_model, train, write_card
+from posttrain.tracking import compute, flatten, stage_run
+from posttrain.training import gate_evaluation, gate_figures, log_to_mlflow, lora_config, save_model, train
 
 
 def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: str,
@@ -42,12 +42,15 @@ def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: 
         # a checkpoint resumes only under the same launcher (world size, sharding)
         run_dir = checkpoints.run_dir(checkpoint_dir, [config.seed, config.sft.model_dump(),
                                                        config.stage_launcher("sft").model_dump()], [Path(data_dir), base])
-        trained = launch.train(config, "sft", f"{__name__}:train_job", {"rows": rows, "validation": validation,
-                               "base": base, "run_dir": run_dir, "out_dir": out_dir})
+        with compute("train"):
+            trained = launch.train(config, "sft", f"{__name__}:train_job", {"rows": rows, "validation": validation,
+                                   "base": base, "run_dir": run_dir, "out_dir": out_dir})
         checkpoints.clear(checkpoint_dir)
-        evaluation = gate_evaluation(out_dir, env, config, data_dir)
-        # the base model's score: the floor the reward-hacking sentinel holds every later stage to
-        write_card(out_dir, {"stage": "sft", "eval": evaluation, "base": gate_evaluation(base, env, config, data_dir)})
+        with compute("gate"):
+            evaluation = gate_evaluation(out_dir, env, config, data_dir)
+            # the base model's score: the floor the reward-hacking sentinel holds every later stage to
+            base_evaluation = gate_evaluation(base, env, config, data_dir)
+        write_card(out_dir, {"stage": "sft", "eval": evaluation, "base": base_evaluation})
         curve = validation_curve(trained["log_history"])
         metrics = {"train_seconds": trained["seconds"], "steps": float(trained["steps"]),
                    "resumed_from_step": float(trained["resumed"]), "world_size": float(trained["world_size"]),
@@ -80,10 +83,11 @@ def train_job(config, job: dict) -> dict:
     base, run_dir = job["base"], job["run_dir"]
     dataset = Dataset.from_list(sft_rows(job["rows"]))
     args = build_trl_config("sft.trl", SFTConfig, {"seed": config.seed, **config.sft.trl},
-                            output_dir=run_dir, report_to=["mlflow"], run_name="sft")
+                            output_dir=run_dir, report_to=[], run_name="sft")
     trainer = SFTTrainer(model=base, args=args, train_dataset=dataset,
                          processing_class=AutoTokenizer.from_pretrained(base),
                          peft_config=lora_config("sft.peft", config.sft.peft))
+    log_to_mlflow(trainer)
     stop, stopper = config.sft.stop_when, None
     if stop is not None:
         # Trainer.log, not SFTTrainer.log: TRL's override would take the token-accuracy averages it logs next
