@@ -12,8 +12,9 @@ them (`python -m posttrain stage ...`: start, imports, MLflow, the stage's own w
 For each it fits wall = fixed + marginal x size over the three sizes and prints the
 fixed cost, the marginal cost and the largest deviation of a size from the line. Growth
 counts as linear when the marginal cost between the first two sizes and between the last
-two agree within 15% (`--tolerance`): a cost that grows faster (quadratic attention,
-swapping, a cache that stops fitting) shows up as a second slope above the first.
+two agree within 15% (`--tolerance`); superlinear when the second is higher (quadratic
+attention, swapping, a cache that stops fitting), sublinear when it is lower (batching
+amortised over more work).
 
     .venv/bin/python bench/cost_scaling.py [--steps 50 100 200] [--evaluate 100x16 200x32 400x64] [--root DIR]
 """
@@ -99,10 +100,10 @@ def linearity(label: str, unit: str, results: list[tuple[int, float, float]], to
     worst = max(abs(y - (fixed + slope * x)) / y for x, y in zip(xs, ys))
     first = (ys[1] - ys[0]) / (xs[1] - xs[0])
     second = (ys[2] - ys[1]) / (xs[2] - xs[1])
-    linear = abs(second - first) <= tolerance * first
+    growth = "linear" if abs(second - first) <= tolerance * first else \
+        "SUPERLINEAR: each unit costs more at scale" if second > first else "sublinear: each unit costs less at scale"
     print(f"{label}: wall = {fixed:.1f} s + {slope:.4g} s/{unit} x {unit}s (largest deviation from the line "
-          f"{worst:.1%}); marginal {first:.4g} then {second:.4g} s/{unit}: "
-          f"{'linear' if linear else 'NOT linear'} (within {tolerance:.0%})")
+          f"{worst:.1%}); marginal {first:.4g} then {second:.4g} s/{unit}: {growth} (linear: within {tolerance:.0%})")
 
 
 def size_pair(text: str) -> tuple[int, int]:

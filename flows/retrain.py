@@ -3,8 +3,8 @@
 Runs on Prefect's ephemeral local API by default, on a Prefect server when
 `PREFECT_API_URL` is set (`posttrain serve` runs it there on a schedule: flows/deploy.py).
 The flow only chains tasks, each one side effect that Prefect shows (and retries where
-it says so): a stage is a child run, `dvc repro --single-item` (retried on failure) and
-the record of what it did.
+it says so): a stage is one task run named after it (its MLflow child run, `dvc repro
+--single-item`, retried on failure, and the record of what it did).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from posttrain.config import load_config
 from posttrain.layout import PARAMS_FILE
 from posttrain.tracking import nothing_to_do, tracking_uri
 from tasks.data import previous_result, version_data
-from tasks.dvc_stages import push_data, record_stage, repro_stage, stage_order, start_stage_run
+from tasks.dvc_stages import pipeline_stage, push_data, stage_order
 from tasks.recovery import mark_dead_runs
 from tasks.runs import (close_run, gate_tags, open_parent_run, plan_memory, promote_model, publish_summary,
                         read_outcomes, record_results)
@@ -83,16 +83,10 @@ def run_pipeline(config, workdir: str, uri: str) -> tuple[dict, str]:
 
 
 def run_stage(config, stage: dict, workdir: str, parent_run_id: str, uri: str) -> dict:
-    """One DVC stage under a child run: the run, `dvc repro` (retried), its record."""
-    run_id = start_stage_run(stage, parent_run_id, uri)
-    repro = repro_stage.with_options(retries=config.orchestration.retries,
-                                     retry_delay_seconds=config.orchestration.retry_delay_seconds)
-    try:
-        repro(stage, workdir, run_id, uri)
-    except BaseException:
-        record_stage(stage, workdir, run_id, uri, failed=True)
-        raise
-    return record_stage(stage, workdir, run_id, uri)
+    """One DVC stage, one task run named after it: a child run, `dvc repro` (retried), its record."""
+    retries = config.orchestration.retries
+    task = pipeline_stage.with_options(retries=retries, retry_delay_seconds=config.orchestration.retry_delay_seconds)
+    return task(stage, workdir, parent_run_id, uri, allowed_retries=retries)
 
 
 def final_model(config, stages: list[dict], workdir: str) -> str:

@@ -208,15 +208,24 @@ def flatten_params(config: dict, prefix: str = "") -> dict[str, str]:
     return flat
 
 
-def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    """Where the run opens in the MLflow UI (credentials in the URI are left out)."""
+def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """The run's page in the MLflow UI: on the tracking server (credentials in the URI left
+    out), else where `mlflow ui` serves a local store by default."""
     from urllib.parse import urlsplit
 
     path = f"#/experiments/{experiment_id}/runs/{run_id}"
     parts = urlsplit(tracking_uri)
     if parts.scheme in ("http", "https"):
         return f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path.rstrip('/')}/{path}"
-    return f"http://127.0.0.1:5000/{path} (after `mlflow ui --backend-store-uri {redact_uri(tracking_uri)}`)"
+    return f"http://127.0.0.1:5000/{path}"
+
+
+def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """Where the run opens in the MLflow UI, and for a local store how to serve it."""
+    url = run_url(tracking_uri, experiment_id, run_id)
+    if tracking_uri.startswith(("http://", "https://")):
+        return url
+    return f"{url} (after `mlflow ui --backend-store-uri {redact_uri(tracking_uri)}`)"
 
 
 def finished_run(workdir: str | Path, config, uri: str) -> tuple[str, str] | None:

@@ -80,22 +80,55 @@ def run_logged(cmd: list[str], *, cwd: str, env: dict, log_path: Path) -> tuple[
     return proc.returncode, "\n".join(tail)
 
 
-@task(name="start_stage_run", **TASK_DEFAULTS)
-def start_stage_run(stage: dict, parent_run_id: str, tracking_uri: str) -> str:
-    """A child run of `parent_run_id` for the stage; returns its id (the stage process
-    logs into it through MLFLOW_RUN_ID)."""
+@task(name="stage", task_run_name="{stage[name]}", **TASK_DEFAULTS)
+def pipeline_stage(stage: dict, workdir: str, parent_run_id: str, tracking_uri: str, *,
+                   allowed_retries: int = 0) -> dict:
+    """One DVC stage, as one Prefect task run named after it: its MLflow child run,
+    `dvc repro --single-item` (Prefect retries it `allowed_retries` times: set with
+    `with_options(retries=...)` too), and its record. An attempt that fails and will be
+    retried leaves the child run RUNNING for the next; the last one ends it FAILED and
+    leaves the stage's last log lines on this task run (a markdown artifact, and the
+    exception's message)."""
+    from prefect.runtime import task_run
+
+    run_id = stage_child_run(stage, parent_run_id, tracking_uri)
+    try:
+        repro_stage(stage, workdir, run_id, tracking_uri)
+    except BaseException as err:
+        if task_run.run_count > allowed_retries:  # the last attempt
+            record_stage(stage, workdir, run_id, tracking_uri, failed=True)
+            failure_artifact(stage, err)
+        raise
+    return record_stage(stage, workdir, run_id, tracking_uri)
+
+
+def stage_child_run(stage: dict, parent_run_id: str, tracking_uri: str) -> str:
+    """The stage's child run of `parent_run_id`: the one an earlier attempt left RUNNING,
+    else a new one; its id (the stage process logs into it through MLFLOW_RUN_ID)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
     parent = client.get_run(parent_run_id)
+    earlier = client.search_runs([parent.info.experiment_id], max_results=1, filter_string=(
+        f"tags.`mlflow.parentRunId` = '{parent_run_id}' and tags.`posttrain.stage` = '{stage['name']}' "
+        "and attributes.status = 'RUNNING'"))
+    if earlier:
+        return earlier[0].info.run_id
     return client.create_run(parent.info.experiment_id, run_name=stage["name"],
                              tags={"mlflow.parentRunId": parent_run_id, "posttrain.stage": stage["name"]}).info.run_id
 
 
-@task(name="repro_stage", **TASK_DEFAULTS)
+def failure_artifact(stage: dict, err: BaseException) -> None:
+    """What a failed stage printed last, as a markdown artifact of its task run."""
+    from prefect.artifacts import create_markdown_artifact
+
+    create_markdown_artifact(f"**Stage {stage['name']} failed**\n\n```\n{str(err)[-4000:]}\n```",
+                             description=f"the last lines of stage {stage['name']}")
+
+
 def repro_stage(stage: dict, workdir: str, run_id: str, tracking_uri: str) -> None:
     """`dvc repro --single-item STAGE`, its output in logs/<stage>.log as it goes. DVC
-    decides whether the stage is up to date. Retried by the flow (orchestration.retries)."""
+    decides whether the stage is up to date."""
     # unbuffered: the stage's lines reach its log as they are printed
     # the stage ends with this process, however it ends (lifetime.die_with_run)
     env = stage_env(workdir, MLFLOW_RUN_ID=run_id, MLFLOW_TRACKING_URI=tracking_uri, PYTHONUNBUFFERED="1",
@@ -110,7 +143,6 @@ def stage_log(workdir: str, stage: dict) -> Path:
     return Path(workdir) / "logs" / f"{stage['name']}.log"
 
 
-@task(name="record_stage", **TASK_DEFAULTS)
 def record_stage(stage: dict, workdir: str, run_id: str, tracking_uri: str, *, failed: bool = False) -> dict:
     """The stage's log and DVC outputs on its child run, and its metrics (returned). A
     stage DVC skipped as up to date gets the metrics DVC had recorded, tagged

@@ -13,7 +13,8 @@ from posttrain import crash
 from posttrain.files import read_json
 from posttrain.layout import PARAMS_FILE
 from posttrain.redact import redact_uri
-from posttrain.tracking import flatten_params, run_metrics, OUTCOMES_ARTIFACT, dvc_lock_hashes, experiment_id, provenance
+from posttrain.tracking import (OUTCOMES_ARTIFACT, dvc_lock_hashes, experiment_id, flatten_params, provenance, run_metrics,
+                                run_url)
 from tasks.dvc_stages import TASK_DEFAULTS
 
 
@@ -40,7 +41,16 @@ def open_parent_run(config, workdir: str, uri: str) -> tuple[str, str]:
     params["tracking.uri"] = redact_uri(params["tracking.uri"])
     items = [Param(k, v) for k, v in params.items()]
     mlflow.log_batch(run_id, params=items)  # the client splits it into requests within MLflow's limits
+    link_artifact(uri, experiment, run_id)
     return run_id, experiment
+
+
+def link_artifact(uri: str, experiment: str, run_id: str) -> None:
+    """A link from the Prefect flow run to its MLflow parent run (artifact `mlflow-run`)."""
+    from prefect.artifacts import create_link_artifact
+
+    create_link_artifact(run_url(uri, experiment, run_id), link_text=f"MLflow run {run_id}", key="mlflow-run",
+                         description="this retrain run's MLflow parent run: stages, metrics, models")
 
 
 def gate_tags(results: dict) -> dict[str, str]:

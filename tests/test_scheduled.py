@@ -84,6 +84,11 @@ def test_scheduled_runs_queue_and_skip_unchanged_inputs(served):
 
     artifacts = {r["id"]: api(api_url, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [r["id"]]}}})
                  for r in (first, second)}
+    # one task run per stage, named after it, and a link to the MLflow run
+    names = {t["name"] for t in api(api_url, "/task_runs/filter", {"flow_runs": {"id": {"any_": [first["id"]]}}})}
+    assert {"prepare", "sft", "grpo@dense", "serving", "evaluate"} <= names, names
+    link = [a for a in artifacts[first["id"]] if a["key"] == "mlflow-run"][0]
+    assert link["type"] == "link" and "#/experiments/" in link["data"], link
     summary = [a["data"] for a in artifacts[first["id"]] if a["key"] == "retrain-summary"][0]
     assert "| model | greedy accuracy |" in summary and "MLflow run:" in summary
     assert "Gates: dense accepted" in summary and "Model registry: posttrain version" in summary
@@ -113,3 +118,30 @@ def _check_tracking_server(uri, ws):
     assert champion.run_id == run.info.run_id
     stages = client.search_runs([run.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")
     assert {s.data.tags["mlflow.runName"] for s in stages} == {"prepare", "sft", "grpo@dense", "serving", "evaluate"}
+
+
+def test_a_failed_stage_shows_on_its_task_run(flow_runs, tmp_path):
+    """`posttrain run` against a real Prefect server, with a GRPO reward function that
+    raises: the flow run fails, the stage's task run (named after it) carries the stage's
+    last log lines in its state message and in a markdown artifact."""
+    ws = copy_workspace(flow_runs[0], tmp_path / "ws")
+    (ws / "custom" / "boom.py").write_text("def reward(completions, **_):\n"
+                                           "    raise RuntimeError('boom: this reward function fails')\n")
+    params = ws / "configs" / "pipeline.yaml"
+    config = yaml.safe_load(params.read_text())
+    config["grpo"]["dense"]["rewards"] = {"custom.boom:reward": 1.0}
+    params.write_text(yaml.safe_dump(config, sort_keys=False))
+    with prefect_server(tmp_path, f"sqlite+aiosqlite:///{tmp_path / 'prefect.db'}") as api_url:
+        env = process_env(PREFECT_API_URL=api_url, PREFECT_HOME=str(tmp_path / "client-home"))
+        done = sh("posttrain", "run", cwd=ws, env=env, check=False)
+        assert done.returncode != 0
+        flow_run, = api(api_url, "/flow_runs/filter", {})
+        assert flow_run["state_type"] == "FAILED"
+        tasks = {t["name"]: t for t in api(api_url, "/task_runs/filter",
+                                           {"flow_runs": {"id": {"any_": [flow_run["id"]]}}})}
+        failed = tasks["grpo@dense"]
+        assert failed["state_type"] == "FAILED" and "boom: this reward function fails" in failed["state"]["message"]
+        assert tasks["sft"]["state_type"] == "COMPLETED" and "serving" not in tasks
+        artifacts = api(api_url, "/artifacts/filter", {"artifacts": {"task_run_id": {"any_": [failed["id"]]}}})
+        assert any("boom: this reward function fails" in a["data"] for a in artifacts), artifacts
+
