@@ -1,7 +1,8 @@
 """Promotion: the run's final model into the MLflow Model Registry, as champion or challenger.
 
-The accepted final model is logged to the parent run (`model/`) and registered as a new
-version of `promotion.model_name`. It takes the alias `champion` only if it meets the
+The final model is logged as an MLflow logged model of the parent run (its files, and the
+run's figures of it linked to it) and registered as a new version of
+`promotion.model_name` from it. It takes the alias `champion` only if it meets the
 serving target and beats the current champion on `promotion.metric` (a metric of the
 parent run, e.g. `evaluate.grpo.greedy_accuracy`); otherwise `challenger`. With
 `require_significance`, beating means beyond noise: a paired test of the two runs'
@@ -12,7 +13,11 @@ p-value, go to the version's and the run's tags.
 
 from __future__ import annotations
 
+import json
+import time
 from typing import NamedTuple
+
+from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 
 from posttrain import stats
 from posttrain.tracking import OUTCOMES_ARTIFACT, run_outcomes
@@ -64,6 +69,26 @@ def significance(config, outcomes: dict | None, champion_run_id: str) -> tuple[s
     return (test, None) if test else (None, f"a run lacks the per-prompt outcomes {OUTCOMES_ARTIFACT}")
 
 
+FINAL_METRICS = "evaluate.grpo."  # the parent run's figures of the final model
+
+
+def log_final_model(client, run_id: str, model_dir: str, metrics: dict[str, float]):
+    """The final model as an MLflow logged model of the parent run (MLflow 3): its files
+    (a Hugging Face folder), and the run's figures of it (`evaluate.grpo.*`) linked to it,
+    so the UI's Logged models panel shows what it scored."""
+    from mlflow.entities import Metric
+
+    run = client.get_run(run_id)
+    model = client.create_logged_model(run.info.experiment_id, name="final", source_run_id=run_id,
+                                       model_type="transformers", tags={"posttrain.stage": "final"})
+    client.log_model_artifacts(model.model_id, model_dir)
+    client.finalize_logged_model(model.model_id, "READY")
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, v, now, 0, model_id=model.model_id)
+                                      for k, v in metrics.items() if k.startswith(FINAL_METRICS)])
+    return model
+
+
 def promote(config, run_id: str, model_dir: str, metrics: dict[str, float], serving: dict,
             outcomes: dict | None = None, *, tracking_uri: str) -> Promotion:
     """Log the final model to the parent run `run_id`, register it and alias it.
@@ -88,14 +113,16 @@ def promote(config, run_id: str, model_dir: str, metrics: dict[str, float], serv
     alias, reason = decide(settings.metric, metrics[settings.metric], champion,
                            higher_is_better=settings.higher_is_better, serving_ok=serving_ok, test=test,
                            alpha=config.stats.alpha, untested=untested)
-    client.log_artifacts(run_id, model_dir, "model")
+    model = log_final_model(client, run_id, model_dir, metrics)
     try:
         client.create_registered_model(settings.model_name)
     except MlflowException:
         pass  # it exists
-    # the model folder as logged (MLflow 3's register_model wants a LoggedModel flavour; this is a plain HF folder)
-    source = f"{client.get_run(run_id).info.artifact_uri}/model"
-    version = client.create_model_version(settings.model_name, source, run_id=run_id).version
+    version = client.create_model_version(settings.model_name, f"models:/{model.model_id}", run_id=run_id,
+                                          model_id=model.model_id).version
+    # the link from the logged model to its registry versions, as mlflow.register_model records it
+    client.set_logged_model_tags(model.model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(
+        [{"name": settings.model_name, "version": str(version)}])})
     client.set_registered_model_alias(settings.model_name, alias, version)
     client.set_model_version_tag(settings.model_name, version, "posttrain.promotion", reason)
     for key, value in {"posttrain.promotion": alias, "posttrain.promotion_reason": reason,

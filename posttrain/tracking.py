@@ -30,6 +30,10 @@ def tracking_uri(config, workspace: str | Path = ".") -> str:
     return uri or f"sqlite:///{Path(workspace).resolve() / 'mlflow.db'}"
 
 
+# The MLflow UI opens an experiment in the view its kind names: model training, not GenAI.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
 def experiment_id(config, workspace: str | Path = ".") -> str:
     """The configured experiment, created on first use (artifacts next to a local store)."""
     import mlflow
@@ -37,11 +41,14 @@ def experiment_id(config, workspace: str | Path = ".") -> str:
     mlflow.set_tracking_uri(tracking_uri(config, workspace))
     found = mlflow.get_experiment_by_name(config.tracking.experiment)
     if found is not None:
+        if EXPERIMENT_KIND[0] not in found.tags:
+            mlflow.MlflowClient().set_experiment_tag(found.experiment_id, *EXPERIMENT_KIND)
         return found.experiment_id
     location = None
     if mlflow.get_tracking_uri().startswith("sqlite:"):
         location = (Path(workspace).resolve() / "mlartifacts").as_uri()
-    return mlflow.create_experiment(config.tracking.experiment, artifact_location=location)
+    return mlflow.create_experiment(config.tracking.experiment, artifact_location=location,
+                                    tags=dict([EXPERIMENT_KIND]))
 
 
 COMPUTE_PREFIX = "compute."  # a stage run's metric `compute.<part>_seconds`: the seconds of its own work

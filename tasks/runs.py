@@ -12,6 +12,7 @@ from prefect import task
 from posttrain import crash
 from posttrain.files import read_json
 from posttrain.layout import PARAMS_FILE
+from posttrain.lineage import log_datasets, workspace_datasets
 from posttrain.redact import redact_uri
 from posttrain.tracking import (OUTCOMES_ARTIFACT, dvc_lock_hashes, experiment_id, flatten_params, provenance, run_metrics,
                                 run_url)
@@ -97,6 +98,7 @@ def record_results(run_id: str, workdir: str, uri: str, results: dict) -> dict[s
     mlflow.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
                      tags=[RunTag(k, v) for k, v in tags.items()])
     mlflow.log_artifact(run_id, str(Path(workdir) / "dvc.lock"))
+    log_datasets(workspace_datasets(workdir), workdir, run_id, mlflow)  # the UI's Datasets panel
     if (Path(workdir) / OUTCOMES_ARTIFACT).is_file():
         mlflow.log_artifact(run_id, str(Path(workdir) / OUTCOMES_ARTIFACT), str(Path(OUTCOMES_ARTIFACT).parent))
     return metrics

@@ -251,8 +251,10 @@ def test_the_pipeline_runs_a_chat_model_with_lora_on_your_files(project):
         names = {f.path for f in client.list_artifacts(by_stage[stage].info.run_id, "adapter")}
         assert "adapter/adapter_config.json" in names, names
     parent = next(r for r in runs if r.data.tags.get("posttrain.flow") == "retrain")
-    logged = {f.path for f in client.list_artifacts(parent.info.run_id, "model")}
-    assert {"model/model.safetensors", "model/adapter"} <= logged, logged   # the merged model and its adapter
+    final = client.get_model_version_by_alias("posttrain", "champion").source.removeprefix("models:/")
+    assert client.get_logged_model(final).source_run_id == parent.info.run_id   # the final model, a logged model
+    logged = {f.path for f in client.list_logged_model_artifacts(final)}
+    assert {"model.safetensors", "adapter"} <= logged, logged   # the merged model and its adapter
 
 
 # Qwen/Qwen2.5-0.5B-Instruct's published config.json

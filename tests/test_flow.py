@@ -105,7 +105,9 @@ def test_first_run_is_champion_and_an_equal_second_is_challenger(flow_runs):
     challenger = client.get_model_version_by_alias("posttrain", "challenger")
     assert (str(champion.version), str(challenger.version)) == ("1", "2")
     assert champion.run_id == parents["run_id"].iloc[0]
-    assert "config.json" in {f.path.split("/")[-1] for f in client.list_artifacts(champion.run_id, "model")}
+    model_id = champion.source.removeprefix("models:/")  # the final model, an MLflow logged model
+    assert "config.json" in {f.path for f in client.list_logged_model_artifacts(model_id)}
+    assert client.get_logged_model(model_id).source_run_id == champion.run_id
     assert "Model registry: posttrain version 2 is the challenger" in second.stdout
 
 

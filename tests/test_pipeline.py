@@ -7,6 +7,7 @@ import mlflow
 import pytest
 
 from conftest import sh
+from posttrain.lineage import file_md5
 
 pytestmark = pytest.mark.slow
 
@@ -66,6 +67,13 @@ def test_each_stage_logs_a_run_with_trl_curves(reproduced):
     assert parts == {"prepare": {"data_seconds", "model_seconds"}, "sft": {"train_seconds", "gate_seconds"},
                      "grpo@dense": {"filter_seconds", "train_seconds", "gate_seconds"}, "serving": set(),
                      "evaluate": {"sampling_seconds"}}
+    # what each stage read, as MLflow dataset inputs: DVC md5 digests, the DVC path and commit as source
+    inputs = mlflow.MlflowClient().get_run(by_stage["sft"].run_id).inputs.dataset_inputs
+    contexts = {i.dataset.name: {t.value for t in i.tags if t.key == "mlflow.data.context"} for i in inputs}
+    assert contexts == {"data/train.jsonl": {"training"}, "data/heldout.jsonl": {"evaluation"}}
+    assert {i.dataset.digest for i in inputs} == {file_md5(reproduced / p) for p in contexts}
+    assert {i.dataset.name for i in mlflow.MlflowClient().get_run(by_stage["evaluate"].run_id).inputs.dataset_inputs} \
+        == {"data/heldout.jsonl"}
     # the greedy decodes the gates did are not done again (same prompts and max_new_tokens)
     assert by_stage["evaluate"]["params.greedy_from_gates"] == "base,sft,grpo.dense"
 

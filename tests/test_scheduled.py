@@ -21,6 +21,7 @@ import yaml
 from mlflow import MlflowClient
 
 from conftest import SMALL, copy_workspace, make_workspace, sh
+from posttrain.lineage import file_md5
 from servers import (POSTGRES, api, mlflow_server, postgres_database, prefect_server, process_env, running,
                      wait_for)
 
@@ -88,7 +89,7 @@ def test_scheduled_runs_queue_and_skip_unchanged_inputs(served):
     names = {t["name"] for t in api(api_url, "/task_runs/filter", {"flow_runs": {"id": {"any_": [first["id"]]}}})}
     assert {"prepare", "sft", "grpo@dense", "serving", "evaluate"} <= names, names
     link = [a for a in artifacts[first["id"]] if a["key"] == "mlflow-run"][0]
-    assert link["type"] == "link" and "#/experiments/" in link["data"], link
+    assert "#/experiments/" in link["data"] and "MLflow run" in link["data"], link  # Prefect keeps it as markdown
     summary = [a["data"] for a in artifacts[first["id"]] if a["key"] == "retrain-summary"][0]
     assert "| model | greedy accuracy |" in summary and "MLflow run:" in summary
     assert "Gates: dense accepted" in summary and "Model registry: posttrain version" in summary
@@ -113,9 +114,36 @@ def _check_tracking_server(uri, ws):
     run = parent[0]
     assert run.info.artifact_uri.startswith("mlflow-artifacts:")
     assert run.data.tags["posttrain.workspace"] == str(ws) and run.data.tags["git.commit"]
-    assert {"params", "dvc.lock", "model"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"params", "dvc.lock"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
     champion = client.get_model_version_by_alias("posttrain", "champion")
     assert champion.run_id == run.info.run_id
+    # through the REST API, as the UI reads it: the datasets the run read, with their DVC md5 as digest
+    rest = f"{uri}/api/2.0/mlflow"
+    inputs = api(rest, f"/runs/get?run_id={run.info.run_id}")["run"]["inputs"]["dataset_inputs"]
+    datasets = {i["dataset"]["name"]: i for i in inputs}
+    assert {"data/train.jsonl", "data/heldout.jsonl"} <= set(datasets), datasets
+    assert [n for n in datasets if n.startswith("datasets/") and n.endswith("-batch.jsonl")], datasets  # versioned
+    assert {"training", "evaluation", "incoming"} == {t["value"] for i in inputs for t in i["tags"]}
+    for name, entry in datasets.items():
+        assert entry["dataset"]["digest"] == file_md5(ws / name) and entry["dataset"]["source_type"] == "dvc"
+        assert json.loads(entry["dataset"]["source"]) == {"path": name, "git_commit": run.data.tags["git.commit"]}
+    # the final model: a logged model of the run, its metrics linked, the registry version made from it
+    models = api(rest, "/logged-models/search", {"experiment_ids": [run.info.experiment_id]})["models"]
+    final = [m for m in models if m["info"]["source_run_id"] == run.info.run_id][0]
+    assert final["info"]["status"] == "LOGGED_MODEL_READY"
+    linked = {m["key"]: m["value"] for m in final["data"]["metrics"]}
+    assert linked["evaluate.grpo.greedy_accuracy"] == run.data.metrics["evaluate.grpo.greedy_accuracy"]
+    version = api(rest, f"/model-versions/get?name=posttrain&version={champion.version}")["model_version"]
+    assert version["source"] == f"models:/{final['info']['model_id']}" and version["run_id"] == run.info.run_id
+    tags = {t["key"]: t["value"] for t in final["info"]["tags"]}
+    assert json.loads(tags["mlflow.modelVersions"]) == [{"name": "posttrain", "version": str(champion.version)}]
+    assert "config.json" in {f.path for f in client.list_logged_model_artifacts(final["info"]["model_id"])}
+    # the SFT and GRPO checkpoints, linked the same way (their bytes in DVC)
+    stage_models = {t["value"]: m for m in models for t in m["info"].get("tags", []) if t["key"] == "posttrain.stage"}
+    assert {"sft", "grpo@dense", "final"} <= set(stage_models)
+    assert any(t["key"] == "dvc.md5" for t in stage_models["sft"]["info"]["tags"])
+    experiment = api(rest, f"/experiments/get?experiment_id={run.info.experiment_id}")["experiment"]
+    assert {"key": "mlflow.experimentKind", "value": "custom_model_development"} in experiment["tags"]
     stages = client.search_runs([run.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")
     assert {s.data.tags["mlflow.runName"] for s in stages} == {"prepare", "sft", "grpo@dense", "serving", "evaluate"}
 

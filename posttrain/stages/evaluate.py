@@ -19,6 +19,7 @@ from posttrain.envs import get_env
 from posttrain.evaluation import known_greedy, outcomes, resolve_backend, sample_models, score
 from posttrain.files import read_jsonl, write_json
 from posttrain.layout import model_dirs, read_card
+from posttrain.lineage import log_datasets
 from posttrain.rewards import curve_name, reward_channel
 from posttrain.tracking import compute, flatten, stage_run
 
@@ -27,6 +28,7 @@ def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_
          accuracy_plot: str, pass_at_k_plot: str, pass_at_k_png: str) -> dict:
     settings = config.evaluate
     with stage_run(config, "evaluate"):
+        log_datasets({f"{data_dir}/heldout.jsonl": "evaluation"})
         env = get_env(config.data.env, **config.data.options)
         rows = read_jsonl(Path(data_dir) / "heldout.jsonl")[:settings.max_prompts]
         backend = resolve_backend(settings.backend)

@@ -20,6 +20,7 @@ from posttrain.envs import get_env
 from posttrain.evaluation import pass_rates
 from posttrain.files import read_jsonl, write_json
 from posttrain.layout import PARAMS_FILE, read_card, write_card
+from posttrain.lineage import log_datasets
 from posttrain.gate import decide, reward_trend
 from posttrain.rewards import build_rewards
 from posttrain.tracking import compute, flatten, stage_run
@@ -34,6 +35,7 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
     memory = fit.checked_plan(config, f"grpo@{name}", config_path=config_path)  # a stage that cannot fit stops here
     with stage_run(config, f"grpo@{name}"):
         fit.log_plan(memory)
+        log_datasets({f"{data_dir}/train.jsonl": "training", f"{data_dir}/heldout.jsonl": "evaluation"})
         env = get_env(config.data.env, **config.data.options)
         previous = read_card(init_dir)
         if not previous:

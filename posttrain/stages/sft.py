@@ -23,6 +23,7 @@ from posttrain.envs import get_env
 from posttrain.evaluation import check_format_contract
 from posttrain.files import read_jsonl, write_json
 from posttrain.layout import PARAMS_FILE, resolve_model_dir, write_card
+from posttrain.lineage import log_datasets
 from posttrain.stopping import StopOnTarget, carve_validation, validation_curve
 from posttrain.tracking import compute, flatten, stage_run
 from posttrain.training import gate_evaluation, gate_figures, log_to_mlflow, lora_config, save_model, train
@@ -38,6 +39,7 @@ def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: 
     memory = fit.checked_plan(config, "sft", config_path=config_path)  # a stage that cannot fit stops here
     with stage_run(config, "sft"):
         fit.log_plan(memory)
+        log_datasets({str(train_path): "training", f"{data_dir}/heldout.jsonl": "evaluation"})
         base = resolve_model_dir(base_dir)
         # a checkpoint resumes only under the same launcher (world size, sharding)
         run_dir = checkpoints.run_dir(checkpoint_dir, [config.seed, config.sft.model_dump(),
