@@ -1,4 +1,5 @@
-"""What each run read, as MLflow dataset inputs: the UI's Datasets panel.
+"""What each run read and made, as MLflow sees it: dataset inputs (the UI's Datasets
+panel) and logged models (its Logged models panel).
 
 Every dataset file a run reads (the train and held-out splits, each versioned batch in
 `datasets/`) is logged with `mlflow.log_input` as a `MetaDataset` whose digest is the
@@ -9,10 +10,11 @@ workspace (a `dvc` source: `git checkout <commit> && dvc pull <path>` brings it 
 
 from __future__ import annotations
 
-import hashlib
+import time
 from pathlib import Path
 from typing import Any
 
+from dvc_data.hashfile.hash import file_md5  # DVC's own file hash: what dvc.lock and .dvc files record
 from mlflow.data.dataset_source import DatasetSource
 from mlflow.data.meta_dataset import MetaDataset
 
@@ -48,23 +50,12 @@ class DVCDatasetSource(DatasetSource):
         return cls(source_dict["path"], source_dict.get("git_commit", ""))
 
 
-def file_md5(path: str | Path) -> str:
-    digest = hashlib.md5()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def dataset(path: str | Path, workspace: str | Path = ".", git_commit: str | None = None) -> MetaDataset:
+def dataset(path: str | Path, workspace: str | Path, git_commit: str) -> MetaDataset:
     """The MLflow dataset of one workspace file (named by its path in the workspace)."""
-    from posttrain.tracking import git_state
-
     workspace = Path(workspace).resolve()
     full = Path(workspace, path).resolve()
     rel = str(full.relative_to(workspace)) if full.is_relative_to(workspace) else str(full)
-    commit = git_commit if git_commit is not None else git_state(workspace)["git.commit"]
-    return MetaDataset(DVCDatasetSource(rel, commit), name=rel, digest=file_md5(full))
+    return MetaDataset(DVCDatasetSource(rel, git_commit), name=rel, digest=file_md5(str(full)))
 
 
 def workspace_datasets(workspace: str | Path, data_dir: str = "data", datasets_dir: str = "datasets") -> dict[str, str]:
@@ -94,3 +85,22 @@ def log_datasets(paths: dict[str, str], workspace: str | Path = ".", run_id: str
 
         client, run_id = mlflow.MlflowClient(), mlflow.active_run().info.run_id
     client.log_inputs(run_id, datasets=inputs)
+
+
+def log_model(client, run_id: str, name: str, *, tags: dict[str, str], metrics: dict[str, float],
+              files: str | None = None):
+    """An MLflow logged model (MLflow 3) of run `run_id`: `files` (a Hugging Face folder) as
+    its artifacts, or none where DVC holds the bytes; `metrics`, the run's figures of that
+    model, logged to the run linked to it. Returns the LoggedModel."""
+    from mlflow.entities import Metric
+
+    model = client.create_logged_model(client.get_run(run_id).info.experiment_id, name=name, source_run_id=run_id,
+                                       model_type="transformers", tags=tags)
+    if files:
+        client.log_model_artifacts(model.model_id, files)
+    client.finalize_logged_model(model.model_id, "READY")
+    now = int(time.time() * 1000)
+    if metrics:
+        client.log_batch(run_id, metrics=[Metric(k, v, now, 0, model_id=model.model_id) for k, v in metrics.items()])
+    return model
+

@@ -14,12 +14,12 @@ p-value, go to the version's and the run's tags.
 from __future__ import annotations
 
 import json
-import time
 from typing import NamedTuple
 
 from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 
 from posttrain import stats
+from posttrain.lineage import log_model
 from posttrain.tracking import OUTCOMES_ARTIFACT, run_outcomes
 
 
@@ -76,17 +76,8 @@ def log_final_model(client, run_id: str, model_dir: str, metrics: dict[str, floa
     """The final model as an MLflow logged model of the parent run (MLflow 3): its files
     (a Hugging Face folder), and the run's figures of it (`evaluate.grpo.*`) linked to it,
     so the UI's Logged models panel shows what it scored."""
-    from mlflow.entities import Metric
-
-    run = client.get_run(run_id)
-    model = client.create_logged_model(run.info.experiment_id, name="final", source_run_id=run_id,
-                                       model_type="transformers", tags={"posttrain.stage": "final"})
-    client.log_model_artifacts(model.model_id, model_dir)
-    client.finalize_logged_model(model.model_id, "READY")
-    now = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(k, v, now, 0, model_id=model.model_id)
-                                      for k, v in metrics.items() if k.startswith(FINAL_METRICS)])
-    return model
+    return log_model(client, run_id, "final", tags={"posttrain.stage": "final"}, files=model_dir,
+                     metrics={k: v for k, v in metrics.items() if k.startswith(FINAL_METRICS)})
 
 
 def promote(config, run_id: str, model_dir: str, metrics: dict[str, float], serving: dict,

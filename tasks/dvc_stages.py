@@ -178,24 +178,17 @@ def log_checkpoint(client, stage: dict, run_id: str, outputs: dict[str, str], me
     bytes stay in DVC (tags `dvc.path`, `dvc.md5`: `dvc pull` restores them), the stage's
     held-out figures of that model are linked to it (a GRPO stage's candidate's when the
     gate accepted it; a rejected stage outputs the model before it, scored by its own stage)."""
-    import time
-
-    from mlflow.entities import Metric
+    from posttrain.lineage import log_model
 
     path = stage["outs"][0]  # the model folder (dvc.yaml: a training stage's one output besides metrics and plots)
     md5 = outputs.get(path, "")
     accepted = stage["name"] == "sft" or metrics.get("accepted") == 1.0
-    model = client.create_logged_model(client.get_run(run_id).info.experiment_id, name=stage["name"].replace("@", "-"),
-                                       source_run_id=run_id, model_type="transformers",
-                                       tags={"posttrain.stage": stage["name"], "dvc.path": path, "dvc.md5": md5,
-                                             "posttrain.gate": "accepted" if accepted else "rejected"})
-    client.finalize_logged_model(model.model_id, "READY")
     prefix = "" if stage["name"] == "sft" else "candidate_"
-    figures = {k: v for k, v in flatten(metrics).items()
+    figures = {f"stage.{k}": v for k, v in flatten(metrics).items()
                if accepted and k.startswith((f"{prefix}greedy_accuracy", f"{prefix}pass_at_"))}
-    now = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(f"stage.{k}", v, now, 0, model_id=model.model_id)
-                                      for k, v in figures.items()])
+    log_model(client, run_id, stage["name"].replace("@", "-"), metrics=figures,
+              tags={"posttrain.stage": stage["name"], "dvc.path": path, "dvc.md5": md5,
+                    "posttrain.gate": "accepted" if accepted else "rejected"})
 
 
 @task(name="push_data", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)
