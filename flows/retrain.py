@@ -20,7 +20,7 @@ from posttrain.config import load_config
 from posttrain.layout import PARAMS_FILE
 from posttrain.tracking import nothing_to_do, tracking_uri
 from tasks.data import previous_result, version_data
-from tasks.dvc_stages import pipeline_stage, push_data, stage_order
+from tasks.dvc_stages import pipeline_stage, push_data, stage_host, stage_order
 from tasks.recovery import mark_dead_runs
 from tasks.runs import (close_run, gate_tags, open_parent_run, plan_memory, promote_model, publish_summary,
                         read_outcomes, record_results)
@@ -39,7 +39,7 @@ def retrain(workdir: str = ".") -> dict:
     logger = get_run_logger()
     workdir = str(Path(workdir).resolve())
     os.chdir(workdir)  # what the config names by path or import (custom/) is the workspace's, as in its stages
-    with lock(workdir, log=logger.warning):
+    with lock(workdir, log=logger.warning), stage_host(workdir):
         config = load_config(Path(workdir) / PARAMS_FILE)
         uri = tracking_uri(config, workdir)
         mark_dead_runs(workdir, uri)

@@ -1,5 +1,10 @@
 import sys
 
-from posttrain.cli import main
+from posttrain.stagehost import run_in_host
 
-sys.exit(main())
+code = run_in_host(sys.argv[1:])  # a stage the flow's warm host runs (posttrain/stagehost.py), else None
+if code is None:
+    from posttrain.cli import main
+
+    code = main()
+sys.exit(code)

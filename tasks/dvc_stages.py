@@ -12,7 +12,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NONE
 
-from posttrain import lifetime
+from posttrain import lifetime, stagehost
 from posttrain.files import read_json
 from posttrain.tracking import flatten, stage_outputs
 from posttrain.workspace import stage_env, tool_path
@@ -137,6 +137,13 @@ def repro_stage(stage: dict, workdir: str, run_id: str, tracking_uri: str) -> No
                             log_path=stage_log(workdir, stage))
     if code != 0:
         raise RuntimeError(f"stage {stage['name']!r} failed (dvc exit {code}); last lines:\n{tail}")
+
+
+def stage_host(workdir: str):
+    """A warm host for the stage processes of this run (posttrain/stagehost.py): the
+    libraries they import, imported once, while the run checks its data and opens its runs."""
+    return stagehost.hosting(workdir, stage_env(workdir, PYTHONUNBUFFERED="1"),
+                             Path(workdir) / "logs" / "stage-host.log")
 
 
 def stage_log(workdir: str, stage: dict) -> Path:
