@@ -60,11 +60,6 @@ def main(argv: list[str] | None = None) -> int:
 def run_workspace(args) -> None:
     """`posttrain run`: check the inputs, then the flow, holding the workspace's lock
     throughout (a variant's workspace is rewritten first: not under a running flow)."""
-    from flows.lock import lock
-    from posttrain import workspace
-    from posttrain.config import load_config, read_config_dict
-    from posttrain.ingest import check_pending
-
     workdir = args.workdir or (os.path.join("runs", Path(args.config).stem) if args.config else ".")
     if not args.config and Path(workdir, "dvc.yaml").is_file() and Path(workdir, ".dvc").is_dir():
         from flows.lock import lock  # a variant's workspace is rewritten first: the full path decides for it
@@ -74,6 +69,29 @@ def run_workspace(args) -> None:
         if unchanged:
             print(unchanged)
             return
+    with early_stage_host(workdir):
+        run_checked_workspace(args, workdir)
+
+
+def early_stage_host(workdir: str):
+    """The run's stage host, started before the checks when the workspace exists already:
+    it imports TRL and torch for the config check (posttrain.config.checked_in_host) and goes
+    on with the stages' imports while Prefect starts (the flow starts one otherwise)."""
+    import contextlib
+
+    if not Path(workdir, "dvc.yaml").is_file():
+        return contextlib.nullcontext()
+    from tasks.dvc_stages import stage_host
+
+    return stage_host(workdir)
+
+
+def run_checked_workspace(args, workdir: str) -> None:
+    from flows.lock import lock
+    from posttrain import workspace
+    from posttrain.config import load_config, read_config_dict
+    from posttrain.ingest import check_pending
+
     servers_and_config("run", args.config or os.path.join(workdir, PARAMS_FILE), temporary_prefect=True)
     if args.config and not Path(workdir, "dvc.yaml").is_file():
         workspace.create(workdir, read_config_dict(Path(args.config)))
@@ -85,11 +103,13 @@ def run_workspace(args) -> None:
             workspace.prepare(workdir, read_config_dict(Path(args.config)))
         workdir = os.path.abspath(workdir)
         os.chdir(workdir)  # from here on, the config's paths and imports (custom/) are the workspace's
-        check_pending(workdir, load_config(os.path.join(workdir, PARAMS_FILE)))  # bad rows: exit 2 here
+        # bad rows: exit 2 here (the config's trl: blocks were checked above)
+        check_pending(workdir, load_config(os.path.join(workdir, PARAMS_FILE), check_trl=False))
         from flows import ephemeral_api
         from flows.retrain import retrain
 
         ephemeral_api.bind_to_process()  # Prefect's temporary API server ends with this process, kill -9 included
+        ephemeral_api.announce()  # the input is accepted: Prefect's lines about its server are shown
         retrain(workdir=workdir)
 
 
@@ -134,16 +154,35 @@ def servers_and_config(command: str, config_path: str, *, temporary_prefect: boo
     env_tracking, env_prefect = os.environ.get("MLFLOW_TRACKING_URI"), os.environ.get("PREFECT_API_URL")
     check_tracking(env_tracking, command=command)
     check_prefect(env_prefect, command=command, temporary_ok=temporary_prefect)
-    config = load_config(config_path)
-    if command == "run":
+    config = load_config(config_path, check_trl=command != "run")
+    if command == "run" and checked_meanwhile(config_path) is None:  # by the run's stage host, else here
         from posttrain import fit
+        from posttrain.config import check_trl_blocks
 
+        check_trl_blocks(Path(config_path), config)
         fit.check(config_path, config)  # every training stage fits training.gpu: before any server or compute
     if not env_tracking:
         check_tracking(config.tracking.uri, command=command, source=f"tracking.uri in {config_path}")
     if not env_prefect:
         check_prefect(profile_api_url(), command=command, temporary_ok=temporary_prefect)
     return config
+
+
+def checked_meanwhile(config_path: str) -> str | None:
+    """The run's check by its stage host (posttrain.config.checked_in_host), while this
+    process imports the flow and starts Prefect's temporary server (4 s on 2 cores): the
+    host's imports keep one core busy, this process would wait on the other. A refused
+    config ends the run before any flow run exists (the server ends with the process)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from posttrain.config import checked_in_host
+
+    with ThreadPoolExecutor(1) as pool:
+        checked = pool.submit(checked_in_host, config_path, trl_only=False)
+        from flows import ephemeral_api
+
+        ephemeral_api.start_now()
+        return checked.result()
 
 
 def serve_workspace(args) -> None:

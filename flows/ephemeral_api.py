@@ -10,6 +10,7 @@ gets the parent-death signal as well, so the kernel ends it with the process.
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import threading
 import types
@@ -40,3 +41,44 @@ def bind_to_process() -> None:
 
     if isinstance(server.subprocess, types.ModuleType):  # the server module's own `import subprocess`
         server.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": _Popen})
+
+
+class _Quiet(logging.Filter):
+    """Prefect's lines about its temporary server, held back while `posttrain run` checks
+    its input: a refused run prints one line (posttrain.cli), the server ends unseen."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("Starting temporary server", "Stopping temporary server"))
+
+
+_QUIET = _Quiet()
+
+
+def start_now() -> None:
+    """Start the temporary server now, bound to this process (call it from the main
+    thread), rather than at the flow's first API call: `posttrain run` starts it while its
+    stage host checks the config; `announce` once the input is accepted. Prefect's client
+    finds it running (one per process, as `prefect.client.orchestration.get_client` starts
+    it). Nothing when `PREFECT_API_URL` names a server or ephemeral mode is off."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value():
+        return
+    bind_to_process()
+    from prefect.server.api import server
+
+    server.subprocess_server_logger.addFilter(_QUIET)
+    server.SubprocessASGIServer().start()
+
+
+def announce() -> None:
+    """The input is accepted: Prefect's lines about its server are shown again, starting
+    with where the server `start_now` started listens."""
+    from prefect.server.api import server
+
+    if _QUIET not in server.subprocess_server_logger.filters:
+        return
+    server.subprocess_server_logger.removeFilter(_QUIET)
+    started = server.SubprocessASGIServer()
+    if started.running:
+        server.subprocess_server_logger.info(f"Temporary server on {started.address}")

@@ -7,4 +7,8 @@ if code is None:
     from posttrain.cli import main
 
     code = main()
+    if sys.argv[1:2] == ["stage"]:  # a stage imported torch and TRL: end without freeing them (seconds)
+        from posttrain.lifetime import exit_now
+
+        exit_now(code)
 sys.exit(code)

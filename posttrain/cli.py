@@ -43,6 +43,9 @@ def build_parser(add_commands=None) -> argparse.ArgumentParser:
     check.add_argument("--config", required=True)
     check.add_argument("--elsewhere", action="store_true", help="for another machine (a GPU cluster): leave out "
                        "the checks of this machine's GPUs, installed versions and servers")
+    # how a stage host answers posttrain.config.checked_in_host: the outcome as one JSON line
+    check.add_argument("--as-json", action="store_true", help=argparse.SUPPRESS)
+    check.add_argument("--trl-only", action="store_true", help=argparse.SUPPRESS)  # load_config's part
     stage = sub.add_parser("stage", help="run one pipeline stage (dvc.yaml calls this)",
                            description="posttrain stage NAME --config FILE --PATH-FLAG VALUE ...: the path flags "
                                        "are the stage's `main` keyword arguments (dvc.yaml passes them)")
@@ -126,10 +129,7 @@ def dispatch(args) -> int:
     from posttrain.config import load_config
 
     if args.command == "check":
-        from posttrain import fit
-
-        fits = fit.check(args.config, load_config(args.config, here=not args.elsewhere))
-        print(f"{args.config}: ok{'; ' + fits if fits else ''}{' (this machine not checked)' if args.elsewhere else ''}")
+        return check_config(args)
     elif args.command == "join":
         return join_stage(args)
     elif args.command == "stage":
@@ -147,6 +147,30 @@ def dispatch(args) -> int:
         print_kv(args)
     elif args.command == "memory":
         print_memory(args)
+    return 0
+
+
+def check_config(args) -> int:
+    """`posttrain check`. With the hidden --as-json (a stage host's answer to
+    posttrain.config.checked_in_host) the outcome, or the refusal, is one JSON line on stdout."""
+    from posttrain import fit
+    from posttrain.config import check_trl_blocks, load_config
+
+    try:
+        if args.trl_only:
+            check_trl_blocks(Path(args.config), load_config(args.config, check_trl=False, here=False))
+            fits = ""
+        else:
+            fits = fit.check(args.config, load_config(args.config, here=not args.elsewhere))
+    except UserError as err:
+        if not args.as_json:
+            raise
+        print(json.dumps({"where": err.where, "problem": err.problem, "fix": err.fix}))
+        return 2
+    if args.as_json:
+        print(json.dumps({"fits": fits}))
+    else:
+        print(f"{args.config}: ok{'; ' + fits if fits else ''}{' (this machine not checked)' if args.elsewhere else ''}")
     return 0
 
 

@@ -434,7 +434,7 @@ def load_config(path: str | Path, *, check_trl: bool = True, here: bool = True) 
     except ValidationError as err:
         raise schema_error(str(path), err) from None
     _check_semantics(path, config)
-    if check_trl:
+    if check_trl and checked_in_host(path, trl_only=True) is None:
         check_trl_blocks(path, config)
     from posttrain import machine
 
@@ -668,6 +668,22 @@ def known_metric(config: PipelineConfig, metric: str) -> bool:
         return True
     stages = ["prepare", "sft", "serving", *(f"grpo.{name}" for name in config.grpo)]
     return any(re.fullmatch(rf"{re.escape(stage)}\.[a-z0-9_.]+", metric) for stage in stages)
+
+
+def checked_in_host(path: str | Path, *, trl_only: bool) -> str | None:
+    """`posttrain check` of `path` done by the run's stage host (posttrain.stagehost: TRL
+    and torch are imported there once, for the checks and the stages): what `fit.check`
+    said ("" for `trl_only`, the trl: blocks alone), a `UserError` as the check raised it,
+    or None when no host did it (check here)."""
+    from posttrain import stagehost
+
+    done = stagehost.run_json(["check", "--config", str(path), "--as-json", *(["--trl-only"] * trl_only)])
+    if done is None or done[0] not in (0, 2):
+        return None
+    code, answer = done
+    if code == 2:
+        raise UserError(answer["where"], answer["problem"], answer["fix"])
+    return answer["fits"]
 
 
 def check_trl_blocks(path: Path, config: PipelineConfig) -> None:

@@ -84,3 +84,24 @@ def die_with_this_thread(sig: int = signal.SIGKILL):
     that starts it ends (die_with_parent). The signal follows that thread, not the
     process: start a child that must live as long as this process from the main thread."""
     return functools.partial(die_with_parent, sig, os.getpid()) if _PRCTL else None
+
+
+def exit_now(code: int) -> None:
+    """End this process with `code` as the interpreter would, without tearing down its
+    modules: a process that imported torch, transformers and TRL spends 1.5-2.7 s freeing
+    them after its last line (the stage's time, measured on 2 cores). What runs at a normal
+    exit still runs first: other threads are joined, `atexit` handlers run (MLflow ends its
+    run there), and stdout and stderr are flushed; as multiprocessing's forked workers
+    end. Files a program left open and unflushed would lose their tail: stages close theirs."""
+    import atexit
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a pipe the reader has left
+            pass
+    os._exit(code)

@@ -28,86 +28,156 @@ import struct
 import sys
 
 ENV_VAR = "POSTTRAIN_STAGE_HOST"  # the host's socket, set by the flow for the stages it runs
-# what the host imports before it serves: what the stages import at start-up and their
-# heaviest libraries (posttrain.cli imports the same before a stage runs without a host)
-PRELOAD = (("transformers", "AutoModelForCausalLM"), ("trl", "SFTTrainer"), ("trl", "GRPOTrainer"),
-           ("datasets", "Dataset"), ("mlflow", "start_run"), ("peft", "LoraConfig"), ("pydantic", "BaseModel"),
-           ("yaml", "safe_load"), ("matplotlib.pyplot", "figure"), ("scipy.stats", "norm"))
+# what the host imports, in this order: TRL's configs (for `posttrain run`'s check of the
+# trl: blocks), then what the stages import at start-up and their heaviest libraries
+PRELOAD = (("trl", "GRPOConfig"), ("transformers", "AutoModelForCausalLM"), ("trl", "SFTTrainer"), ("trl", "GRPOTrainer"),
+           ("datasets", "Dataset"), ("mlflow", "start_run"), ("mlflow.store.tracking.sqlalchemy_store", "SqlAlchemyStore"),
+           ("deepspeed", "init_distributed"), ("git", "Repo"), ("dvc_data.hashfile.hash", "file_md5"),
+           ("peft", "LoraConfig"), ("pydantic", "BaseModel"), ("yaml", "safe_load"), ("matplotlib.pyplot", "figure"),
+           ("scipy.stats", "norm"))
 # set per stage by the flow and DVC, read lazily: a stage may differ from the host in these
-MAY_DIFFER = ("DVC_", "MLFLOW_", "PREFECT_", "POSTTRAIN_", "PWD", "OLDPWD", "SHLVL", "_")
+MAY_DIFFER = ("DVC_", "MLFLOW_", "PREFECT_", "POSTTRAIN_", "PWD", "OLDPWD", "SHLVL", "_",
+              "PYTHONPATH")  # PYTHONPATH: what it changes is compared (the posttrain package, search_path)
 HEADER = struct.Struct("!I")
+HOSTS: dict[str, set[str]] = {}  # the hosts this process runs, by folder: their sockets
 # before the imports, which may add to sys.path and set variables (as they would in the stage itself)
-STARTED_WITH = {"path": list(sys.path), "env": dict(os.environ)}
+STARTED_WITH = {"path": list(sys.path), "env": dict(os.environ), "package": os.path.dirname(os.path.abspath(__file__))}
 
 
-def run_in_host(argv: list[str]) -> int | None:
-    """`posttrain stage ...` run by the host this environment names: its exit code, or
-    None when no host serves it (none named or answering, or it declined: run it here)."""
+COMMANDS = ("stage", "check", "memory")  # the posttrain commands a host runs
+
+
+def run_in_host(argv: list[str], *, stdio: tuple[int, int, int] = (0, 1, 2), quiet: bool = False) -> int | None:
+    """`posttrain stage ...` (or `check`, `memory`) run by the host this environment names: its
+    exit code, or None when no host runs it (none named or answering, or it declined: run
+    it in this process; `quiet`: without saying so). `stdio`: the command's stdin, stdout
+    and stderr (file descriptors)."""
     path = os.environ.get(ENV_VAR)
-    if not path or not argv or argv[0] != "stage":
+    if not path or not argv or argv[0] not in COMMANDS:
         return None
     from posttrain.lifetime import die_with_run
 
-    die_with_run()  # this client ends with dvc and the flow; its stage ends with it
+    die_with_run()  # a stage's client ends with dvc and the flow; the stage ends with it
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         client.connect(path)
         request = json.dumps({"argv": sys.argv[:1] + argv, "cwd": os.getcwd(), "env": dict(os.environ),
-                              "path": sys.path, "executable": sys.executable}).encode()
-        socket.send_fds(client, [HEADER.pack(len(request)) + request], [0, 1, 2])
+                              "path": sys.path, "executable": sys.executable,
+                              "package": STARTED_WITH["package"]}).encode()
+        socket.send_fds(client, [HEADER.pack(len(request)) + request], list(stdio))
         replies = client.makefile("r")
         answer = replies.readline().split()
     except OSError:
         answer = []
     if not answer or answer[0] != "started":  # declined, or the host died before it forked
         reason = " ".join(answer[1:]) or "no answer"
-        print(f"posttrain: the stage host did not take this stage ({reason}); running it in this process",
-              file=sys.stderr, flush=True)
+        if not quiet:
+            print(f"posttrain: the stage host did not take `posttrain {argv[0]}` ({reason}); running it in this process",
+                  file=sys.stderr, flush=True)
         client.close()
         return None
     child = int(answer[1])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the stage itself (the terminal's process group)
-    signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGTERM))
-    ended = replies.readline().split()
+    with passed_on(child):
+        ended = replies.readline().split()
+    client.close()
     if not ended:
-        print("posttrain: the stage host ended before the stage did", file=sys.stderr, flush=True)
+        print("posttrain: the stage host ended before the command did", file=sys.stderr, flush=True)
         return 1
     return int(ended[1])
+
+
+@contextlib.contextmanager
+def passed_on(child: int):
+    """While a fork runs this process's command: Ctrl-C reaches the fork itself (it is in
+    the terminal's process group), a SIGTERM is passed on to it. Signals are the main
+    thread's: another thread (a check run meanwhile) changes nothing."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(
+        signal.SIGTERM, lambda *_: os.kill(child, signal.SIGTERM))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+
+
+def run_json(argv: list[str]):
+    """`argv`, a command that prints one JSON line, run by the host, quietly: (exit code,
+    the line's value), or None when no host ran it or it printed no JSON (run it here)."""
+    import threading
+
+    read, write = os.pipe()
+    printed: list[bytes] = []
+    with os.fdopen(read, "rb") as out:
+        reader = threading.Thread(target=lambda: printed.append(out.read()), daemon=True)
+        reader.start()  # read as it prints: a pipe holds 64 KiB
+        try:
+            with open(os.devnull, "w") as devnull:
+                code = run_in_host(argv, stdio=(0, write, devnull.fileno()), quiet=True)
+        finally:
+            os.close(write)
+        reader.join()
+    try:
+        return None if code is None else (code, json.loads(printed[0].strip().splitlines()[-1]))
+    except (ValueError, IndexError):
+        return None
 
 
 def refusal(request: dict) -> str | None:
     """Why the host cannot run this request as the command would run itself, or None."""
     if request.get("executable") != sys.executable:
         return f"interpreter {request.get('executable')} is not the host's {sys.executable}"
-    if request.get("path") != STARTED_WITH["path"]:
-        return "its sys.path differs from the host's"
+    if request.get("package") != STARTED_WITH["package"]:
+        return f"its posttrain is {request.get('package')}, the host's {STARTED_WITH['package']}"
     env, ours = request.get("env", {}), STARTED_WITH["env"]
-    differ = sorted(k for k in set(env) | set(ours) if env.get(k) != ours.get(k) and not k.startswith(MAY_DIFFER))
+    if search_path(request.get("path", []), env) != search_path(STARTED_WITH["path"], ours):
+        return "its sys.path differs from the host's"
+    env, ours = comparable(env), comparable(ours)
+    # a variable the host's imports set may come set as they set it (by the same imports in the flow)
+    differ = sorted(k for k in set(env) | set(ours) if env.get(k) != ours.get(k) and not k.startswith(MAY_DIFFER)
+                    and not (k not in ours and env.get(k) == os.environ.get(k)))
     if differ:
         return f"environment variable {differ[0]} differs from the host's"
     return None
 
 
+def comparable(env: dict[str, str]) -> dict[str, str]:
+    """`env` as the host compares it: PATH without the interpreter's own folder (the flow
+    puts the venv's first for its stages, `posttrain run` may not have it)."""
+    here = os.path.dirname(sys.executable)
+    return {**env, "PATH": os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != here)}
+
+
+def search_path(path: list[str], env: dict[str, str]) -> list[str]:
+    """Where the libraries come from: sys.path without its first entry (the script's folder,
+    or the current one) and PYTHONPATH's (a workspace's own posttrain: compared apart)."""
+    extra = set(filter(None, env.get("PYTHONPATH", "").split(os.pathsep)))
+    return [entry for entry in path[1:] if entry not in extra]
+
+
 def serve(listener: socket.socket) -> int | None:
-    """Import `PRELOAD`, then serve stage requests on `listener` until ended. Returns only
-    in a fork: the stage's exit code (the interpreter ends it as it would any process)."""
+    """Serve requests on `listener` until ended, importing `PRELOAD` one by one meanwhile
+    (a request that comes first gets a fork that imports the rest itself). Returns only in
+    a fork: the command's exit code (the caller ends the process with it)."""
     import importlib
     import selectors
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the flow's to handle: the host ends with it
-    for module, name in PRELOAD:  # clients that connect meanwhile wait in the listen queue
-        getattr(importlib.import_module(module), name)
-    host = os.getpid()
+    host, pending = os.getpid(), list(PRELOAD)
     forks: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, connection)
     with selectors.DefaultSelector() as selector:
         selector.register(listener, selectors.EVENT_READ)
         while True:
-            for key, _ in selector.select():
+            for key, _ in selector.select(timeout=0 if pending else None):
                 if key.fileobj is listener:
                     conn, _ = listener.accept()
                     pid = take(conn, [listener, selector, *(c for _, c in forks.values())], list(forks))
                     if os.getpid() != host:
-                        return pid  # the fork: the stage's exit code
+                        return pid  # the fork: the command's exit code
                     if pid is not None:
                         pidfd = os.pidfd_open(pid)
                         forks[pidfd] = (pid, conn)
@@ -119,6 +189,9 @@ def serve(listener: socket.socket) -> int | None:
                     code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
                     with contextlib.suppress(OSError), conn:
                         conn.sendall(f"exit {code if code >= 0 else 128 - code}\n".encode())
+            if pending:
+                module, name = pending.pop(0)
+                getattr(importlib.import_module(module), name)
 
 
 def take(conn: socket.socket, inherited: list, inherited_fds: list[int]) -> int | None:
@@ -168,6 +241,7 @@ def run_stage(request: dict, fds: list[int], conn: socket.socket) -> int:
     set_by_imports = {k: v for k, v in os.environ.items() if STARTED_WITH["env"].get(k) != v}
     os.environ.clear()
     os.environ.update(request["env"], **set_by_imports)
+    os.environ.pop(ENV_VAR, None)  # a fork asks no host: what it runs runs in it
     sys.argv = request["argv"]
     for name in [m for m in sys.modules if m == "posttrain" or m.startswith("posttrain.")]:
         del sys.modules[name]  # the stage runs the workspace's code, as DVC hashed it
@@ -185,10 +259,12 @@ def run_stage(request: dict, fds: list[int], conn: socket.socket) -> int:
 
 
 @contextlib.contextmanager
-def hosting(workdir: str, env: dict[str, str], log_path):
+def hosting(workdir: str, env: dict[str, str]):
     """A host for the stages run in `workdir` while the block runs: its socket is named in
     this process's environment (ENV_VAR), which the stage processes inherit. `env`: the
-    stages' environment without their own variables; the host's output goes to `log_path`."""
+    stages' environment without their own variables. A host this process started already
+    (for the same folder) is kept. Nothing is written in `workdir` (a refused run leaves
+    nothing); a host that ended by itself leaves its last lines on stderr."""
     import subprocess
     import tempfile
 
@@ -197,29 +273,39 @@ def hosting(workdir: str, env: dict[str, str], log_path):
     if not (hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")):  # Linux >= 5.3, Python >= 3.9
         yield None
         return
+    if os.environ.get(ENV_VAR) in HOSTS.get(os.path.realpath(workdir), ()):
+        yield os.environ[ENV_VAR]
+        return
     with tempfile.TemporaryDirectory(prefix="posttrain-host-") as folder:
-        path = os.path.join(folder, "socket")
+        path, log_path = os.path.join(folder, "socket"), os.path.join(folder, "host.log")
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
             listener.bind(path)  # bound here: a stage that connects before the host is up waits for it
             listener.listen(16)
-            log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "w") as log:
                 host = subprocess.Popen([sys.executable, "-m", "posttrain.stagehost", str(listener.fileno())],
                                         cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                         pass_fds=[listener.fileno()], preexec_fn=lifetime.die_with_this_thread())
         before = os.environ.get(ENV_VAR)
         os.environ[ENV_VAR] = path
+        HOSTS.setdefault(os.path.realpath(workdir), set()).add(path)
         try:
             yield path
         finally:
+            HOSTS[os.path.realpath(workdir)].discard(path)
             if before is None:
                 os.environ.pop(ENV_VAR, None)
             else:
                 os.environ[ENV_VAR] = before
+            if host.poll() is not None:  # it ended by itself: the stages ran in their own processes
+                with open(log_path, errors="replace") as log:
+                    tail = log.read()[-2000:]
+                print(f"posttrain: the stage host ended (exit {host.returncode}); its last lines:\n{tail}",
+                      file=sys.stderr, flush=True)
             host.kill()
             host.wait()
 
 
 if __name__ == "__main__":
-    code = serve(socket.socket(fileno=int(sys.argv[1])))
-    sys.exit(code)
+    from posttrain.lifetime import exit_now
+
+    exit_now(serve(socket.socket(fileno=int(sys.argv[1]))))  # returns in a fork, once its stage has run

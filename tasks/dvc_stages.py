@@ -142,8 +142,7 @@ def repro_stage(stage: dict, workdir: str, run_id: str, tracking_uri: str) -> No
 def stage_host(workdir: str):
     """A warm host for the stage processes of this run (posttrain/stagehost.py): the
     libraries they import, imported once, while the run checks its data and opens its runs."""
-    return stagehost.hosting(workdir, stage_env(workdir, PYTHONUNBUFFERED="1"),
-                             Path(workdir) / "logs" / "stage-host.log")
+    return stagehost.hosting(workdir, stage_env(workdir, PYTHONUNBUFFERED="1"))
 
 
 def stage_log(workdir: str, stage: dict) -> Path:

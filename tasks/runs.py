@@ -72,10 +72,14 @@ def plan_memory(config, workdir: str, run_id: str, uri: str) -> dict:
     """Every training stage's memory plan per GPU (posttrain.fit), as the run will train
     it: reports/memory.json in the workspace and `memory.json` on the parent run (each
     stage's own run carries its part)."""
+    from posttrain import stagehost
     from posttrain.files import write_json
     from posttrain.fit import longest_prompt, pipeline_plan
 
-    plan = pipeline_plan(config, config_path=Path(workdir) / PARAMS_FILE, prompt_chars=longest_prompt(config))
+    path = Path(workdir) / PARAMS_FILE
+    done = stagehost.run_json(["memory", "--config", str(path), "--json"])  # the run's stage host has TRL imported
+    plan = done[1] if done and done[0] == 0 else pipeline_plan(config, config_path=path,
+                                                               prompt_chars=longest_prompt(config))
     write_json(Path(workdir) / MEMORY_REPORT, plan)
     client(uri).log_dict(run_id, plan, "memory.json")
     return plan
