@@ -64,7 +64,9 @@ def run_pipeline(config, workdir: str, uri: str) -> tuple[dict, str]:
     try:
         plan_memory(config, workdir, run_id, uri)
         stages = stage_order(workdir)
-        results = {stage["name"]: run_stage(config, stage, workdir, run_id, uri) for stage in stages}
+        results: dict[str, dict] = {}
+        for stage in stages:
+            results[stage["name"]] = run_stage(config, stage, workdir, run_id, uri, before=greedy_so_far(results))
         metrics = record_results(run_id, workdir, uri, results)
         get_run_logger().info(push_data(workdir))
         text = summary.render(results.get("evaluate", {}), results.get("serving", {}), config.serving.gpu,
@@ -82,11 +84,21 @@ def run_pipeline(config, workdir: str, uri: str) -> tuple[dict, str]:
     return results, text
 
 
-def run_stage(config, stage: dict, workdir: str, parent_run_id: str, uri: str) -> dict:
+def run_stage(config, stage: dict, workdir: str, parent_run_id: str, uri: str, *, before: float | None) -> dict:
     """One DVC stage, one task run named after it: a child run, `dvc repro` (retried), its record."""
     retries = config.orchestration.retries
     task = pipeline_stage.with_options(retries=retries, retry_delay_seconds=config.orchestration.retry_delay_seconds)
-    return task(stage, workdir, parent_run_id, uri, allowed_retries=retries)
+    return task(stage, workdir, parent_run_id, uri, allowed_retries=retries, before=before)
+
+
+def greedy_so_far(results: dict[str, dict]) -> float | None:
+    """The held-out greedy accuracy of the chain's latest model (SFT's, then each accepted
+    GRPO candidate's): what the next GRPO stage starts from, for its end-of-stage line."""
+    greedy = None
+    for name, metrics in results.items():
+        if name == "sft" or (name.startswith("grpo@") and metrics.get("accepted") == 1.0):
+            greedy = metrics.get("greedy_accuracy" if name == "sft" else "candidate_greedy_accuracy", greedy)
+    return greedy
 
 
 def final_model(config, stages: list[dict], workdir: str) -> str:

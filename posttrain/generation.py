@@ -22,12 +22,15 @@ def rendered_with_bos(tokenizer, prompts: list[str]) -> bool:
 
 
 def generate(model, tokenizer, prompts: list[str], *, n: int, temperature: float,
-             max_new_tokens: int, batch_size: int = 256, seed: int = 0) -> list[list[str]]:
+             max_new_tokens: int, batch_size: int = 256, seed: int = 0, report: bool = True) -> list[list[str]]:
     """`n` completions per prompt; temperature 0 means greedy (then n must be 1).
 
     Returns a list (one per prompt) of `n` decoded completions without special tokens.
+    `report`: the prompts done are the current phase's progress (posttrain.progress).
     """
     import torch
+
+    from posttrain import progress
 
     torch.manual_seed(seed)
     sample = temperature > 0
@@ -44,4 +47,6 @@ def generate(model, tokenizer, prompts: list[str], *, n: int, temperature: float
                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
         texts = tokenizer.batch_decode(ids[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
         out.extend(texts[i:i + n] for i in range(0, len(texts), n))
+        if report:
+            progress.update(len(out), len(prompts))
     return out

@@ -40,7 +40,7 @@ def greedy_accuracy(model, tokenizer, env, rows: list[dict], max_new_tokens: int
     try:
         with torch.random.fork_rng(devices=devices, device_type=model.device.type):
             greedy = generate(model, tokenizer, [r["prompt"] for r in rows], n=1, temperature=0.0,
-                              max_new_tokens=max_new_tokens)
+                              max_new_tokens=max_new_tokens, report=False)
     finally:
         model.train(was_training)
         tokenizer.padding_side = side

@@ -44,3 +44,52 @@ def gates_line(gates: dict[str, str], results: dict) -> str:
         shown = ", ".join(f"{k} {format_p(v)}" for k, v in p_values.items())
         parts.append(f"{stage} {verdict}" + (f" (paired tests vs the previous model: {shown})" if shown else ""))
     return "Gates: " + (", ".join(parts) or "none")
+
+
+def duration(seconds: float) -> str:
+    """`6 min 19 s`, `16 s`, `0.4 s`, `1 h 2 min`."""
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours} h {minutes} min"
+    return f"{minutes} min {secs} s" if minutes else f"{secs} s"
+
+
+def pass_at(metrics: dict, prefix: str = "") -> str:
+    """`, pass@8 0.752`: the largest k a stage's metrics hold, or nothing."""
+    ks = [int(k[len(prefix) + 8:]) for k in metrics if k.startswith(f"{prefix}pass_at_") and k[len(prefix) + 8:].isdigit()]
+    return f", pass@{max(ks)} {metrics[f'{prefix}pass_at_{max(ks)}']:.3f}" if ks else ""
+
+
+def stage_line(name: str, metrics: dict, *, seconds: float, cached: bool, before: float | None = None) -> str:
+    """What a stage did, in numbers, on one line (the flow's end-of-stage line), e.g.
+    `grpo@dense: accepted, greedy 0.424 -> 0.712, pass@8 0.752, 600 steps, 2 min 57 s`.
+    `before`: the greedy accuracy of the model a GRPO stage started from."""
+    took = duration(seconds)
+    if cached:
+        return f"{name}: up to date (DVC kept its outputs), {took}"
+    m = metrics
+    if name == "prepare" and "train_rows" in m:
+        batches = f" ({m['datasets_rows']:,.0f} from versioned batches)" if m.get("datasets_rows") else ""
+        return (f"prepare: {m['train_rows']:,.0f} train / {m['heldout_rows']:,.0f} held-out rows{batches}, "
+                f"base model of {m.get('base_params', 0):,.0f} parameters, {took}")
+    if name == "sft" and "greedy_accuracy" in m:
+        return f"sft: greedy {m['greedy_accuracy']:.3f} on held-out{pass_at(m)}, {m.get('steps', 0):,.0f} steps, {took}"
+    if name.startswith("grpo@") and "candidate_greedy_accuracy" in m:
+        verdict = "accepted" if m.get("accepted") == 1.0 else "rejected (the previous model carries on)"
+        greedy = m["candidate_greedy_accuracy"]
+        change = f"{before:.3f} -> {greedy:.3f}" if before is not None else f"{greedy:.3f}"
+        return f"{name}: {verdict}, greedy {change}{pass_at(m, 'candidate_')}, {m.get('steps', 0):,.0f} steps, {took}"
+    if name == "serving" and "max_concurrency" in m:
+        vllm = "; vLLM's own report agreed" if "vllm_num_blocks" in m else ""
+        load = (f", load test {m['load_requests_per_second']:,.0f} req/s, p95 {m['load_latency_p95_ms']:,.0f} ms"
+                if m.get("load_requests") else "")
+        return (f"serving: {m['max_concurrency']:,.0f} concurrent sessions of {m['context_length']:,.0f} tokens "
+                f"(KV arithmetic{vllm}){load}, {took}")
+    if name == "evaluate" and m and all(isinstance(v, dict) and "greedy_accuracy" in v for v in m.values()):
+        greedy = ", ".join(f"{model} {r['greedy_accuracy']:.3f}" for model, r in m.items())
+        return f"evaluate: greedy accuracy {greedy}, {took}"
+    return f"{name}: done, {took}"

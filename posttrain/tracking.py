@@ -60,10 +60,14 @@ def compute(part: str):
     """Time a piece of the stage's own work (training, sampling, a gate's evaluation, the
     vLLM check): the stage run logs the sum per part as `compute.<part>_seconds` when it
     ends. `make bench` holds the stage's wall time against them: the rest is overhead
-    (process start, imports, DVC, MLflow)."""
+    (process start, imports, DVC, MLflow). It is also the phase the stage's progress
+    lines name (posttrain.progress)."""
+    from posttrain import progress
+
     start = time.perf_counter()
     try:
-        yield
+        with progress.phase(part):
+            yield
     finally:
         _compute[part] = _compute.get(part, 0.0) + time.perf_counter() - start
 

@@ -38,11 +38,32 @@ def train(trainer, checkpoint_dir: str) -> tuple[float, int]:
     if last:
         print(f"posttrain: resuming from {last} (step {resumed})", flush=True)
     recorder = launch.observe(trainer)  # a rank of a launched job records what it trains on
+    trainer.add_callback(step_progress())
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=last)
     seconds = time.perf_counter() - start
     launch.report(trainer, recorder, checkpoint_dir)
     return seconds, resumed
+
+
+def step_progress():
+    """A trainer callback that reports the steps done, the latest loss and reward, as the
+    training phase's progress lines (posttrain.progress), from the main process only."""
+    from transformers import TrainerCallback
+
+    from posttrain import progress
+
+    class StepProgress(TrainerCallback):
+        figures: dict = {}
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.figures = {k: logs[k] for k in ("loss", "reward") if isinstance((logs or {}).get(k), (int, float))}
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                progress.update(state.global_step, state.max_steps, **self.figures)
+
+    return StepProgress()
 
 
 def log_to_mlflow(trainer) -> None:

@@ -6,13 +6,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import deque
 from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NONE
 
-from posttrain import lifetime, stagehost
+from posttrain import lifetime, stagehost, summary
 from posttrain.files import read_json
 from posttrain.tracking import flatten, stage_outputs
 from posttrain.workspace import stage_env, tool_path
@@ -60,21 +61,32 @@ def stage_order(workdir: str) -> list[dict]:
     return stages(workdir)
 
 
-def run_logged(cmd: list[str], *, cwd: str, env: dict, log_path: Path) -> tuple[int, str]:
-    """Run `cmd`, echoing its output and saving it to `log_path` line by line (what a
-    killed run leaves is the log up to its end); returns (exit code, tail).
+def run_logged(cmd: list[str], *, cwd: str, env: dict, log_path: Path, display=None) -> tuple[int, str]:
+    """Run `cmd`, saving its output to `log_path` line by line (what a killed run leaves is
+    the log up to its end); returns (exit code, tail). With a `display` (tasks/display.py)
+    the terminal shows the progress lines and posttrain's own messages, not the rest (TRL's
+    log dicts, warnings: in the log); without one, every line is echoed.
 
     `cmd` dies with this process (kill -9 included), and its children once they next
     write to the closed pipe: a killed run leaves no stage running on.
     """
+    from posttrain import progress
+
     log_path.parent.mkdir(parents=True, exist_ok=True)
     tail: deque[str] = deque(maxlen=20)
     with open(log_path, "w", buffering=1) as log, subprocess.Popen(
             cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             preexec_fn=lifetime.die_with_this_thread()) as proc:
         for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
+            event = progress.parse(line)
+            if event is not None and display is not None:
+                display.update(event)
+                continue
+            if display is None:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            elif line.startswith("posttrain:"):
+                display.echo(line)
             log.write(line)
             tail.append(line.rstrip())
     return proc.returncode, "\n".join(tail)
@@ -82,15 +94,20 @@ def run_logged(cmd: list[str], *, cwd: str, env: dict, log_path: Path) -> tuple[
 
 @task(name="stage", task_run_name="{stage[name]}", **TASK_DEFAULTS)
 def pipeline_stage(stage: dict, workdir: str, parent_run_id: str, tracking_uri: str, *,
-                   allowed_retries: int = 0) -> dict:
+                   allowed_retries: int = 0, before: float | None = None) -> dict:
     """One DVC stage, as one Prefect task run named after it: its MLflow child run,
     `dvc repro --single-item` (Prefect retries it `allowed_retries` times: set with
     `with_options(retries=...)` too), and its record. An attempt that fails and will be
     retried leaves the child run RUNNING for the next; the last one ends it FAILED and
     leaves the stage's last log lines on this task run (a markdown artifact, and the
-    exception's message)."""
+    exception's message). Its start and end are one line each in the flow's log, the end
+    saying what it did in numbers (`before`: the greedy accuracy of the model a GRPO stage
+    starts from)."""
+    from prefect import get_run_logger
     from prefect.runtime import task_run
 
+    logger, started = get_run_logger(), time.monotonic()
+    logger.info(f"{stage['name']}: started (its output: {stage_log(workdir, stage).relative_to(workdir)})")
     run_id = stage_child_run(stage, parent_run_id, tracking_uri)
     try:
         repro_stage(stage, workdir, run_id, tracking_uri)
@@ -99,7 +116,10 @@ def pipeline_stage(stage: dict, workdir: str, parent_run_id: str, tracking_uri: 
             record_stage(stage, workdir, run_id, tracking_uri, failed=True)
             failure_artifact(stage, err)
         raise
-    return record_stage(stage, workdir, run_id, tracking_uri)
+    metrics = record_stage(stage, workdir, run_id, tracking_uri)
+    logger.info(summary.stage_line(stage["name"], metrics, seconds=time.monotonic() - started,
+                                   cached=metrics.get(CACHED, False), before=before))
+    return {k: v for k, v in metrics.items() if k != CACHED}
 
 
 def stage_child_run(stage: dict, parent_run_id: str, tracking_uri: str) -> str:
@@ -133,8 +153,11 @@ def repro_stage(stage: dict, workdir: str, run_id: str, tracking_uri: str) -> No
     # the stage ends with this process, however it ends (lifetime.die_with_run)
     env = stage_env(workdir, MLFLOW_RUN_ID=run_id, MLFLOW_TRACKING_URI=tracking_uri, PYTHONUNBUFFERED="1",
                     **{lifetime.RUN_PID_ENV: str(os.getpid())})
-    code, tail = run_logged([tool_path("dvc"), "repro", "--single-item", stage["name"]], cwd=workdir, env=env,
-                            log_path=stage_log(workdir, stage))
+    from tasks.display import StageDisplay
+
+    with StageDisplay(stage["name"]) as display:
+        code, tail = run_logged([tool_path("dvc"), "repro", "--single-item", stage["name"]], cwd=workdir, env=env,
+                                log_path=stage_log(workdir, stage), display=display)
     if code != 0:
         raise RuntimeError(f"stage {stage['name']!r} failed (dvc exit {code}); last lines:\n{tail}")
 
@@ -149,10 +172,13 @@ def stage_log(workdir: str, stage: dict) -> Path:
     return Path(workdir) / "logs" / f"{stage['name']}.log"
 
 
+CACHED = "posttrain.cached"  # in what record_stage returns: DVC found the stage up to date
+
+
 def record_stage(stage: dict, workdir: str, run_id: str, tracking_uri: str, *, failed: bool = False) -> dict:
     """The stage's log and DVC outputs on its child run, and its metrics (returned). A
     stage DVC skipped as up to date gets the metrics DVC had recorded, tagged
-    `posttrain.cached`; a failed one ends FAILED."""
+    `posttrain.cached` (and CACHED: True among what it returns); a failed one ends FAILED."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
@@ -170,6 +196,7 @@ def record_stage(stage: dict, workdir: str, run_id: str, tracking_uri: str, *, f
         for name, value in flatten(metrics).items():
             client.log_metric(run_id, name, value)
         client.set_terminated(run_id, "FINISHED")
+        return {**metrics, CACHED: True}
     elif is_training(stage) and outputs:
         log_checkpoint(client, stage, run_id, outputs, metrics)
     return metrics

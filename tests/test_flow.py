@@ -73,6 +73,28 @@ def test_every_training_stage_logs_its_memory_plan(flow_runs):
         assert plan["setup"]["mixed_precision"] is False          # fp32 on this CPU: no GPU declared
 
 
+def test_the_terminal_shows_each_stage_in_numbers_and_its_progress(flow_runs):
+    """Issue 17, off a terminal (the output is captured): a start and an end line per stage
+    in numbers, plain progress lines (at most one per tenth of a phase), and TRL's log dicts
+    in the stage's log (an artifact of its run), not in the output."""
+    from posttrain import progress
+
+    _, first, second, runs, _ = flow_runs
+    out = first.stdout + first.stderr
+    assert "sft: started (its output: logs/sft.log)" in out
+    assert re.search(r"prepare: 80 train / 20 held-out rows, base model of [\d,]+ parameters, ", out)
+    assert re.search(r"grpo@dense: (accepted|rejected \(the previous model carries on\)), greedy \d\.\d{3} -> "
+                     r"\d\.\d{3}, pass@4 \d\.\d{3}, \d+ steps, ", out), out[-3000:]
+    train = re.findall(r"^grpo@dense: train (\d+)/(\d+) \(\d+%\)", first.stdout, re.M)
+    assert 1 <= len(train) <= 10 and train[-1][0] == train[-1][1], first.stdout[-3000:]
+    assert "grpo@dense: filter" in first.stdout and "evaluate: sampling" in first.stdout
+    assert "'loss'" not in out and progress.PREFIX not in out
+    first_parent = runs[runs["tags.mlflow.parentRunId"].isna()].iloc[0]["run_id"]
+    grpo = runs[(runs["tags.mlflow.parentRunId"] == first_parent) & (runs["tags.mlflow.runName"] == "grpo@dense")]
+    assert "'loss'" in mlflow.artifacts.load_text(f"runs:/{grpo.iloc[0]['run_id']}/logs/grpo@dense.log")
+    assert "sft: up to date (DVC kept its outputs)" in second.stdout + second.stderr
+
+
 def test_second_run_reruns_only_what_changed(flow_runs):
     _, _, second, runs, _ = flow_runs
     last_parent = runs[runs["tags.mlflow.parentRunId"].isna()].iloc[-1]["run_id"]
