@@ -92,13 +92,14 @@ def log_model(client, run_id: str, name: str, *, tags: dict[str, str], metrics: 
     """An MLflow logged model (MLflow 3) of run `run_id`: `files` (a Hugging Face folder) as
     its artifacts, or none where DVC holds the bytes; `metrics`, the run's figures of that
     model, logged to the run linked to it. Returns the LoggedModel."""
-    from mlflow.entities import Metric
+    from mlflow.entities import LoggedModelOutput, Metric
 
     model = client.create_logged_model(client.get_run(run_id).info.experiment_id, name=name, source_run_id=run_id,
                                        model_type="transformers", tags=tags)
     if files:
         client.log_model_artifacts(model.model_id, files)
     client.finalize_logged_model(model.model_id, "READY")
+    client.log_outputs(run_id, [LoggedModelOutput(model.model_id, 0)])  # the run page's "Logged models"
     now = int(time.time() * 1000)
     if metrics:
         client.log_batch(run_id, metrics=[Metric(k, v, now, 0, model_id=model.model_id) for k, v in metrics.items()])

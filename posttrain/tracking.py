@@ -220,11 +220,13 @@ def flatten_params(config: dict, prefix: str = "") -> dict[str, str]:
 
 
 def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    """The run's page in the MLflow UI: on the tracking server (credentials in the URI left
-    out), else where `mlflow ui` serves a local store by default."""
+    """The run's page in the MLflow UI, in its model-training view: on the tracking server
+    (credentials in the URI left out), else where `mlflow ui` serves a local store by default."""
     from urllib.parse import urlsplit
 
-    path = f"#/experiments/{experiment_id}/runs/{run_id}"
+    # MLflow 3's UI takes its view from the link (or what the browser last chose), not from
+    # the experiment's mlflow.experimentKind tag: the model-training view, named
+    path = f"#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
     parts = urlsplit(tracking_uri)
     if parts.scheme in ("http", "https"):
         return f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path.rstrip('/')}/{path}"

@@ -138,6 +138,8 @@ def _check_tracking_server(uri, ws):
     tags = {t["key"]: t["value"] for t in final["info"]["tags"]}
     assert json.loads(tags["mlflow.modelVersions"]) == [{"name": "posttrain", "version": str(champion.version)}]
     assert "config.json" in {f.path for f in client.list_logged_model_artifacts(final["info"]["model_id"])}
+    outputs = api(rest, f"/runs/get?run_id={run.info.run_id}")["run"]["outputs"]["model_outputs"]
+    assert final["info"]["model_id"] in {o["model_id"] for o in outputs}  # the run page's "Logged models"
     # the SFT and GRPO checkpoints, linked the same way (their bytes in DVC)
     stage_models = {t["value"]: m for m in models for t in m["info"].get("tags", []) if t["key"] == "posttrain.stage"}
     assert {"sft", "grpo@dense", "final"} <= set(stage_models)
