@@ -29,7 +29,7 @@ def phase(name: str):
     """The stage is in `name` for the block: an update without a total (the display shows
     its elapsed time) now, and updates from the loops inside it."""
     before = _state["phase"]
-    _state["phase"], _state["shown"] = name, (name, 0, time.monotonic())
+    _state["phase"], _state["shown"], _state["done"] = name, (name, 0, time.monotonic()), 0
     emit({"phase": name, "done": 0, "total": None})
     try:
         yield
@@ -46,8 +46,12 @@ def update(done: int, total: int | None, **figures: float) -> None:
     percent = 100 * done // total if total else 0
     shown_phase, shown_percent, shown_at = _state["shown"]
     now = time.monotonic()
+    if shown_phase == name and done < _state.get("done", 0):  # a new loop in the phase (the next model's prompts)
+        shown_percent, shown_at = 0, now
+    _state["done"] = done
     final = bool(total) and done >= total
     if shown_phase == name and not final and (percent <= shown_percent or now - shown_at < MIN_SECONDS):
+        _state["shown"] = (name, shown_percent, shown_at)
         return
     _state["shown"] = (name, percent, now)
     emit({"phase": name, "done": done, "total": total,

@@ -22,7 +22,11 @@ def test_progress_lines_come_at_most_every_percent_and_at_the_end(capsys, monkey
     with progress.phase("train"):
         for step in range(1, 1001):
             progress.update(step, 1000, loss=0.5, reward=None)
+        for step in (300, 600, 1000):  # a second loop in the phase (the next model): shown again
+            progress.update(step, 1000)
     events = [progress.parse(line + "\n") for line in capsys.readouterr().out.splitlines()]
+    assert [e["done"] for e in events[-3:]] == [300, 600, 1000]
+    events = events[:-3]
     assert events[0] == {"phase": "train", "done": 0, "total": None}
     assert len(events) == 1 + 100 and events[-1] == {"phase": "train", "done": 1000, "total": 1000, "loss": 0.5}
     assert progress.parse("{'loss': 0.1}\n") is None and progress.parse(progress.PREFIX + "not json") is None
