@@ -20,7 +20,7 @@ from posttrain.config import load_config
 from posttrain.layout import PARAMS_FILE
 from posttrain.tracking import nothing_to_do, tracking_uri
 from tasks.data import previous_result, version_data
-from tasks.dvc_stages import pipeline_stage, push_data, stage_host, stage_order
+from tasks.dvc_stages import own_model_prefix, pipeline_stage, push_data, stage_host, stage_order
 from tasks.recovery import mark_dead_runs
 from tasks.runs import (close_run, gate_tags, open_parent_run, plan_memory, promote_model, publish_summary,
                         read_outcomes, record_results)
@@ -96,8 +96,9 @@ def greedy_so_far(results: dict[str, dict]) -> float | None:
     GRPO candidate's): what the next GRPO stage starts from, for its end-of-stage line."""
     greedy = None
     for name, metrics in results.items():
-        if name == "sft" or (name.startswith("grpo@") and metrics.get("accepted") == 1.0):
-            greedy = metrics.get("greedy_accuracy" if name == "sft" else "candidate_greedy_accuracy", greedy)
+        prefix = own_model_prefix(name, metrics)
+        if prefix is not None:
+            greedy = metrics.get(f"{prefix}greedy_accuracy", greedy)
     return greedy
 
 

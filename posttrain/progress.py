@@ -17,7 +17,7 @@ import time
 
 PREFIX = "posttrain-progress "
 MIN_SECONDS = 2.0
-_state: dict = {"phase": None, "shown": (None, -1, 0.0)}  # (phase, percent, time) last shown
+_state: dict = {"phase": None, "shown": None, "percent": -1, "at": 0.0, "done": 0}  # what was shown last
 
 
 def emit(event: dict) -> None:
@@ -29,7 +29,7 @@ def phase(name: str):
     """The stage is in `name` for the block: an update without a total (the display shows
     its elapsed time) now, and updates from the loops inside it."""
     before = _state["phase"]
-    _state["phase"], _state["shown"], _state["done"] = name, (name, 0, time.monotonic()), 0
+    _state.update(phase=name, shown=name, percent=0, at=time.monotonic(), done=0)
     emit({"phase": name, "done": 0, "total": None})
     try:
         yield
@@ -43,17 +43,14 @@ def update(done: int, total: int | None, **figures: float) -> None:
     name = _state["phase"]
     if name is None:
         return
-    percent = 100 * done // total if total else 0
-    shown_phase, shown_percent, shown_at = _state["shown"]
-    now = time.monotonic()
-    if shown_phase == name and done < _state.get("done", 0):  # a new loop in the phase (the next model's prompts)
-        shown_percent, shown_at = 0, now
+    percent, now = (100 * done // total if total else 0), time.monotonic()
+    if _state["shown"] == name and done < _state["done"]:  # a new loop in the phase (the next model's prompts)
+        _state.update(percent=0, at=now)
     _state["done"] = done
     final = bool(total) and done >= total
-    if shown_phase == name and not final and (percent <= shown_percent or now - shown_at < MIN_SECONDS):
-        _state["shown"] = (name, shown_percent, shown_at)
+    if _state["shown"] == name and not final and (percent <= _state["percent"] or now - _state["at"] < MIN_SECONDS):
         return
-    _state["shown"] = (name, percent, now)
+    _state.update(shown=name, percent=percent, at=now)
     emit({"phase": name, "done": done, "total": total,
           **{k: round(float(v), 4) for k, v in figures.items() if v is not None}})
 

@@ -61,11 +61,11 @@ def stage_order(workdir: str) -> list[dict]:
     return stages(workdir)
 
 
-def run_logged(cmd: list[str], *, cwd: str, env: dict, log_path: Path, display=None) -> tuple[int, str]:
+def run_logged(cmd: list[str], *, cwd: str, env: dict, log_path: Path, display) -> tuple[int, str]:
     """Run `cmd`, saving its output to `log_path` line by line (what a killed run leaves is
-    the log up to its end); returns (exit code, tail). With a `display` (tasks/display.py)
-    the terminal shows the progress lines and posttrain's own messages, not the rest (TRL's
-    log dicts, warnings: in the log); without one, every line is echoed.
+    the log up to its end); returns (exit code, tail). The terminal (`display`,
+    tasks/display.py) gets its progress lines and posttrain's own messages, not the rest
+    (TRL's log dicts, warnings: in the log).
 
     `cmd` dies with this process (kill -9 included), and its children once they next
     write to the closed pipe: a killed run leaves no stage running on.
@@ -79,13 +79,10 @@ def run_logged(cmd: list[str], *, cwd: str, env: dict, log_path: Path, display=N
             preexec_fn=lifetime.die_with_this_thread()) as proc:
         for line in proc.stdout:
             event = progress.parse(line)
-            if event is not None and display is not None:
+            if event is not None:
                 display.update(event)
                 continue
-            if display is None:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-            elif line.startswith("posttrain:"):
+            if line.startswith("posttrain:"):
                 display.echo(line)
             log.write(line)
             tail.append(line.rstrip())
@@ -116,10 +113,10 @@ def pipeline_stage(stage: dict, workdir: str, parent_run_id: str, tracking_uri: 
             record_stage(stage, workdir, run_id, tracking_uri, failed=True)
             failure_artifact(stage, err)
         raise
-    metrics = record_stage(stage, workdir, run_id, tracking_uri)
-    logger.info(summary.stage_line(stage["name"], metrics, seconds=time.monotonic() - started,
-                                   cached=metrics.get(CACHED, False), before=before))
-    return {k: v for k, v in metrics.items() if k != CACHED}
+    metrics, cached = record_stage(stage, workdir, run_id, tracking_uri)
+    logger.info(summary.stage_line(stage["name"], metrics, seconds=time.monotonic() - started, cached=cached,
+                                   before=before))
+    return metrics
 
 
 def stage_child_run(stage: dict, parent_run_id: str, tracking_uri: str) -> str:
@@ -172,13 +169,11 @@ def stage_log(workdir: str, stage: dict) -> Path:
     return Path(workdir) / "logs" / f"{stage['name']}.log"
 
 
-CACHED = "posttrain.cached"  # in what record_stage returns: DVC found the stage up to date
-
-
-def record_stage(stage: dict, workdir: str, run_id: str, tracking_uri: str, *, failed: bool = False) -> dict:
-    """The stage's log and DVC outputs on its child run, and its metrics (returned). A
-    stage DVC skipped as up to date gets the metrics DVC had recorded, tagged
-    `posttrain.cached` (and CACHED: True among what it returns); a failed one ends FAILED."""
+def record_stage(stage: dict, workdir: str, run_id: str, tracking_uri: str, *,
+                 failed: bool = False) -> tuple[dict, bool]:
+    """The stage's log and DVC outputs on its child run; returns its metrics and whether DVC
+    skipped it as up to date (its run then gets the metrics DVC had recorded, tagged
+    `posttrain.cached`). A failed one ends FAILED."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
@@ -189,21 +184,30 @@ def record_stage(stage: dict, workdir: str, run_id: str, tracking_uri: str, *, f
         client.log_text(run_id, json.dumps(outputs, indent=2), "dvc_outputs.json")
     if failed:
         client.set_terminated(run_id, "FAILED")
-        return {}
+        return {}, False
     metrics = stage_metrics(workdir, stage)
     if client.get_run(run_id).data.tags.get("posttrain.executed") != "true":
         client.set_tag(run_id, "posttrain.cached", "true")
         for name, value in flatten(metrics).items():
             client.log_metric(run_id, name, value)
         client.set_terminated(run_id, "FINISHED")
-        return {**metrics, CACHED: True}
-    elif is_training(stage) and outputs:
+        return metrics, True
+    if is_training(stage) and outputs:
         log_checkpoint(client, stage, run_id, outputs, metrics)
-    return metrics
+    return metrics, False
 
 
 def is_training(stage: dict) -> bool:
     return stage["name"] == "sft" or stage["name"].startswith("grpo@")
+
+
+def own_model_prefix(name: str, metrics: dict) -> str | None:
+    """The prefix of a training stage's figures of the model it outputs as its own: "" for
+    SFT, "candidate_" for a GRPO stage whose gate accepted it; None for a rejected one (it
+    outputs the model before it, scored by its own stage)."""
+    if name == "sft":
+        return ""
+    return "candidate_" if name.startswith("grpo@") and metrics.get("accepted") == 1.0 else None
 
 
 def log_checkpoint(client, stage: dict, run_id: str, outputs: dict[str, str], metrics: dict) -> None:
@@ -215,8 +219,8 @@ def log_checkpoint(client, stage: dict, run_id: str, outputs: dict[str, str], me
 
     path = stage["outs"][0]  # the model folder (dvc.yaml: a training stage's one output besides metrics and plots)
     md5 = outputs.get(path, "")
-    accepted = stage["name"] == "sft" or metrics.get("accepted") == 1.0
-    prefix = "" if stage["name"] == "sft" else "candidate_"
+    prefix = own_model_prefix(stage["name"], metrics)
+    accepted = prefix is not None
     figures = {f"stage.{k}": v for k, v in flatten(metrics).items()
                if accepted and k.startswith((f"{prefix}greedy_accuracy", f"{prefix}pass_at_"))}
     log_model(client, run_id, stage["name"].replace("@", "-"), metrics=figures,
