@@ -64,7 +64,7 @@ def test_kill_9_mid_grpo_leaves_nothing_behind(flow_runs, tmp_path):
     ws = copy_workspace(flow_runs[0], tmp_path / "ws")
     params = ws / "configs" / "pipeline.yaml"
     config = yaml.safe_load(params.read_text())
-    config["grpo"]["dense"]["trl"].update(max_steps=16, save_steps=2)  # killed after step 2, long before 16
+    config["grpo"]["dense"]["trl"].update(max_steps=200, save_steps=2)  # killed after step 2, long before 200
     params.write_text(yaml.safe_dump(config, sort_keys=False))
     with open(tmp_path / "killed.out", "w") as out:
         pid, survivors = kill_mid_grpo(ws, out)
