@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_workspace(args) -> None:
     """`posttrain run`: check the inputs, then the flow, holding the workspace's lock
     throughout (a variant's workspace is rewritten first: not under a running flow)."""
-    workdir = args.workdir or (os.path.join("runs", Path(args.config).stem) if args.config else ".")
+    workdir = os.path.abspath(args.workdir or (os.path.join("runs", Path(args.config).stem) if args.config else "."))
     if not args.config and Path(workdir, "dvc.yaml").is_file() and Path(workdir, ".dvc").is_dir():
         from flows.lock import lock  # a variant's workspace is rewritten first: the full path decides for it
 

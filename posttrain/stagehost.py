@@ -273,7 +273,8 @@ def hosting(workdir: str, env: dict[str, str]):
     if not (hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")):  # Linux >= 5.3, Python >= 3.9
         yield None
         return
-    if os.environ.get(ENV_VAR) in HOSTS.get(os.path.realpath(workdir), ()):
+    folder_key = os.path.realpath(workdir)  # now: the caller may change folder inside the block
+    if os.environ.get(ENV_VAR) in HOSTS.get(folder_key, ()):
         yield os.environ[ENV_VAR]
         return
     with tempfile.TemporaryDirectory(prefix="posttrain-host-") as folder:
@@ -287,11 +288,11 @@ def hosting(workdir: str, env: dict[str, str]):
                                         pass_fds=[listener.fileno()], preexec_fn=lifetime.die_with_this_thread())
         before = os.environ.get(ENV_VAR)
         os.environ[ENV_VAR] = path
-        HOSTS.setdefault(os.path.realpath(workdir), set()).add(path)
+        HOSTS.setdefault(folder_key, set()).add(path)
         try:
             yield path
         finally:
-            HOSTS[os.path.realpath(workdir)].discard(path)
+            HOSTS[folder_key].discard(path)
             if before is None:
                 os.environ.pop(ENV_VAR, None)
             else:

@@ -2,7 +2,7 @@
 leaves nothing behind.
 
     done = cli("check", "--config", path, cwd=tmp_path)
-    assert_refused(done, "field", "fix")          # exit 2, one line, no traceback, seconds
+    assert_refused(done, "field", "fix")          # exit 2, one line, no traceback
     assert_nothing_left(tmp_path, before)          # no new files, commits or RUNNING runs
 
 `cli` runs the `posttrain` command's `main` (flows/cli.py) in this process (a subprocess
@@ -57,14 +57,14 @@ def cli_process(*args, cwd: Path | str | None = None, env: dict | None = None, t
     return Done(done.returncode, done.stdout, done.stderr, time.monotonic() - started)
 
 
-def assert_refused(done: Done, *needles: str, seconds: float = 10, secrets: tuple[str, ...] = ()) -> None:
-    """Exit 2, exactly one line on stderr naming every needle, no traceback, within
-    `seconds`, and none of `secrets` anywhere in the output."""
+def assert_refused(done: Done, *needles: str, secrets: tuple[str, ...] = ()) -> None:
+    """Exit 2, exactly one line on stderr naming every needle, no traceback, and none of
+    `secrets` anywhere in the output. No bound in seconds: a loaded machine is slow, and
+    a refusal's cost is bounded by what it does (tests count work, not time)."""
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2, f"exit {done.returncode}: {done.stderr[-2000:]}"
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert all(n in lines[0] for n in needles), lines[0]
-    assert done.seconds < seconds, f"took {done.seconds:.1f} s: {lines[0]}"
     for secret in secrets:
         assert secret not in done.stderr + done.stdout, "a secret reached the output"
 

@@ -153,7 +153,7 @@ def test_each_accelerate_config_loads_and_checks(path, tmp_path):
     import torch
 
     if not torch.cuda.is_available():  # here, accelerate would start one process instead of 8
-        assert_refused(cli("check", "--config", config, cwd=tmp_path), "launcher", "CUDA", "torchrun", seconds=30)
+        assert_refused(cli("check", "--config", config, cwd=tmp_path), "launcher", "CUDA", "torchrun")
 
 
 @pytest.mark.parametrize("launcher, needles", [
@@ -168,7 +168,7 @@ def test_each_accelerate_config_loads_and_checks(path, tmp_path):
 def test_bad_launchers_are_one_line(launcher, needles, tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"extends": str(REPO / "configs" / "pipeline.yaml"), "launcher": launcher}))
-    assert_refused(cli("check", "--config", config, "--elsewhere", cwd=tmp_path), str(config), *needles, seconds=30)
+    assert_refused(cli("check", "--config", config, "--elsewhere", cwd=tmp_path), str(config), *needles)
 
 
 def test_a_broken_accelerate_config_and_a_stage_launcher_name_their_field(tmp_path):
@@ -178,24 +178,24 @@ def test_a_broken_accelerate_config_and_a_stage_launcher_name_their_field(tmp_pa
     config.write_text(yaml.safe_dump({"extends": str(REPO / "configs" / "pipeline.yaml"), "grpo": {"dense": {
         "launcher": {"type": "accelerate", "accelerate_config": str(broken)}}}}))
     assert_refused(cli("check", "--config", config, "--elsewhere", cwd=tmp_path),
-                   "grpo.dense.launcher.accelerate_config", "accelerate cannot load", "num_gpus_typo", seconds=30)
+                   "grpo.dense.launcher.accelerate_config", "accelerate cannot load", "num_gpus_typo")
 
 
 def test_join_is_refused_where_there_is_nothing_to_join(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"extends": str(REPO / "configs" / "pipeline.yaml"), **TWO_RANKS}))
     assert_refused(cli("join", "--config", config, "--stage", "sft", "--node-rank", "1", cwd=tmp_path),
-                   "one node", "launcher.nodes", seconds=30)
+                   "one node", "launcher.nodes")
     assert_refused(cli("join", "--config", config, "--stage", "grpo@nope", "--node-rank", "1", cwd=tmp_path),
-                   "--stage", "grpo@dense", seconds=30)
+                   "--stage", "grpo@dense")
     config.write_text(yaml.safe_dump({"extends": str(REPO / "configs" / "pipeline.yaml"), "launcher": {
         "type": "torchrun", "nodes": 2}}))
     assert_refused(cli("join", "--config", config, "--stage", "sft", "--node-rank", "1", cwd=tmp_path,
-                       env={"POSTTRAIN_RDZV_ENDPOINT": ""}), "rdzv_endpoint", "POSTTRAIN_RDZV_ENDPOINT", seconds=30)
+                       env={"POSTTRAIN_RDZV_ENDPOINT": ""}), "rdzv_endpoint", "POSTTRAIN_RDZV_ENDPOINT")
     config.write_text(yaml.safe_dump({"extends": str(REPO / "configs" / "pipeline.yaml"), "launcher": {
         "type": "torchrun", "nodes": 2, "rdzv_endpoint": "127.0.0.1:29999"}}))
     assert_refused(cli("join", "--config", config, "--stage", "sft", "--node-rank", "2", cwd=tmp_path),
-                   "--node-rank", "1..1", seconds=30)
+                   "--node-rank", "1..1")
 
 
 def test_what_a_launch_needs_is_checked_with_its_world_size(tmp_path):
@@ -208,12 +208,12 @@ def test_what_a_launch_needs_is_checked_with_its_world_size(tmp_path):
 
     groups = {"grpo": {"dense": {"trl": {"per_device_train_batch_size": 2, "num_generations": 4}}}}
     assert check({**groups, **TWO_RANKS}).returncode == 0          # 2 x 2 completions: one group of 4
-    assert_refused(check(groups), "grpo.dense.trl", "divisible by num_generations", seconds=30)  # 1 rank: half a group
+    assert_refused(check(groups), "grpo.dense.trl", "divisible by num_generations")  # 1 rank: half a group
     zero3 = {"launcher": {"type": "accelerate", "accelerate_config": str(REPO / "infra/accelerate/zero3.yaml")},
              "sft": {"peft": {"r": 8}}}
-    assert_refused(check(zero3, "--elsewhere"), "launcher.accelerate_config", "LoRA", "zero2.yaml", seconds=30)
+    assert_refused(check(zero3, "--elsewhere"), "launcher.accelerate_config", "LoRA", "zero2.yaml")
     two_nodes = {"launcher": {"type": "torchrun", "nodes": 2}}
-    assert_refused(check(two_nodes, env={"POSTTRAIN_RDZV_ENDPOINT": ""}), "launcher.rdzv_endpoint", seconds=30)
+    assert_refused(check(two_nodes, env={"POSTTRAIN_RDZV_ENDPOINT": ""}), "launcher.rdzv_endpoint")
     assert check(two_nodes, env={"POSTTRAIN_RDZV_ENDPOINT": "node0:29500"}).returncode == 0
 
 
@@ -271,5 +271,5 @@ def test_vllm_generation_is_refused_here_before_any_compute(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"extends": str(REPO / "configs" / "pipeline.yaml"), "grpo": {"dense": {
         "trl": {"use_vllm": True, "vllm_mode": "server"}}}}))
-    assert_refused(cli("check", "--config", config, cwd=tmp_path), "grpo.dense.trl.use_vllm", "CUDA", seconds=30)
+    assert_refused(cli("check", "--config", config, cwd=tmp_path), "grpo.dense.trl.use_vllm", "CUDA")
     assert cli("check", "--config", config, "--elsewhere", cwd=tmp_path).returncode == 0
