@@ -5,6 +5,7 @@ imports a flow: dependencies point one way, flows -> tasks -> posttrain.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -90,13 +91,20 @@ def run_checked_workspace(args, workdir: str) -> None:
     from flows.lock import lock
     from posttrain import workspace
     from posttrain.config import load_config, read_config_dict
+    from posttrain import ingest
     from posttrain.ingest import check_pending
 
-    servers_and_config("run", args.config or os.path.join(workdir, PARAMS_FILE), temporary_prefect=True)
+    config_path = args.config or os.path.join(workdir, PARAMS_FILE)
+    if ingest.pending(workdir):  # cheap checks first: bad new rows are refused before TRL is imported
+        check_pending(workdir, load_config(config_path, check_trl=False))
+    servers_and_config("run", config_path, temporary_prefect=True)
     if args.config and not Path(workdir, "dvc.yaml").is_file():
-        workspace.create(workdir, read_config_dict(Path(args.config)))
+        with contextlib.suppress(UserError):  # another run created it meanwhile: both run in it, in turn
+            workspace.create(workdir, read_config_dict(Path(args.config)))
     if not (Path(workdir, "dvc.yaml").is_file() and Path(workdir, ".dvc").is_dir()):
-        raise UserError(f"posttrain run --workdir {workdir}", "not a DVC workspace (no dvc.yaml or .dvc/)",
+        given = (f"--workdir {args.workdir}" if args.workdir else f"--config {args.config}" if args.config
+                 else "(in this folder)")
+        raise UserError(f"posttrain run {given}", f"{workdir} is not a DVC workspace (no dvc.yaml or .dvc/)",
                         "run in this repository's root, or use --config FILE to create a workspace")
     with lock(workdir, log=lambda message: print(message, file=sys.stderr, flush=True)):
         if args.config:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from posttrain.errors import GateFailure, ReplayError, TrainingFailed, UserError
 from posttrain.profiles import PACKAGED as PACKAGED_PROFILES
-from posttrain.redact import redact_text
+from posttrain.redact import guard_standard_streams, redact_text
 
 # Offline by default: real models are local paths; Prefect and DVC send no telemetry.
 OFFLINE_DEFAULTS = {
@@ -365,6 +365,7 @@ def main(argv: list[str] | None = None, *, parser: argparse.ArgumentParser | Non
     flows/cli.py passes its own `parser` and `dispatch`, which add `run` and `serve`."""
     for key, value in OFFLINE_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    guard_standard_streams()  # libraries print tracking URIs, passwords included (MLflow's "View run")
     try:
         return dispatch((parser or build_parser()).parse_args(argv))
     except UserError as err:

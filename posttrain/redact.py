@@ -46,3 +46,37 @@ def redact_text(text: str) -> str:
     for secret in known_secrets():
         text = text.replace(secret, MASK)
     return text
+
+
+class RedactingStream:
+    """A text stream that masks secrets in what is written to it, and is otherwise the
+    stream it wraps (isatty, fileno, encoding: a terminal stays a terminal for rich).
+
+    Libraries print URIs on their own: MLflow writes "View run ... at: <tracking URI>"
+    to sys.stdout when a run ends, password and all. Masked per write: a library writes
+    a URI in one call."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(redact_text(text) if isinstance(text, str) else text)
+        return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def guard_standard_streams() -> None:
+    """sys.stdout and sys.stderr mask secrets from here on, in this process and in the
+    logging handlers created after it (call it before the libraries are imported)."""
+    import sys
+
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, RedactingStream):
+            setattr(sys, name, RedactingStream(stream))

@@ -8,10 +8,14 @@ resolved config as its complete `configs/pipeline.yaml`, and commits it.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -69,10 +73,26 @@ def create(dest: str | Path, config: dict, *, remote: str | Path | None = None) 
 
     remote: the DVC remote's folder; default `<dest>-remote` beside it.
     """
-    dest = Path(dest)
+    dest = Path(dest).absolute()
     if dest.exists() and any(dest.iterdir()):
         raise UserError(str(dest), "the workspace folder exists and is not empty", "pick a new folder or remove it")
-    dest.mkdir(parents=True, exist_ok=True)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # laid out beside it and renamed into place: a failed creation leaves nothing, and of two
+    # runs creating it at once, one wins and the other runs in the winner's workspace
+    with tempfile.TemporaryDirectory(prefix=f".{dest.name}.creating-", dir=dest.parent) as scratch:
+        _lay_out(Path(scratch), config, Path(remote or dest.parent / f"{dest.name}-remote").resolve())
+        try:
+            os.rename(scratch, dest)  # over an empty folder, or none
+        except OSError:
+            if not (dest / "dvc.yaml").is_file():
+                raise
+        else:
+            os.mkdir(scratch)  # for TemporaryDirectory's clean-up
+    return dest
+
+
+def _lay_out(dest: Path, config: dict, remote: Path) -> None:
+    """A new workspace's files, git repository and DVC set-up in the folder `dest`."""
     for name in ("gitignore", "dvcignore"):
         shutil.copy(TEMPLATE / name, dest / f".{name}")
     shutil.copytree(TEMPLATE / "configs", dest / "configs")
@@ -83,11 +103,10 @@ def create(dest: str | Path, config: dict, *, remote: str | Path | None = None) 
     dvc = [tool_path("dvc")]  # the venv's dvc, even when the venv is not on PATH
     _git("init", "-q", "-b", "main", cwd=dest)
     for args in (["init", "-q"], ["config", "core.analytics", "false"],
-                 ["remote", "add", "-d", "local", str(Path(remote or dest.parent / f"{dest.name}-remote").resolve())]):
+                 ["remote", "add", "-d", "local", str(remote)]):
         subprocess.run(dvc + args, cwd=dest, check=True, capture_output=True, text=True)
     _git("add", "-A", cwd=dest)
     commit(dest, "posttrain workspace")
-    return dest
 
 
 def copy_code(dest: Path) -> None:

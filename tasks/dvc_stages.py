@@ -15,6 +15,7 @@ from prefect.cache_policies import NONE
 
 from posttrain import lifetime, stagehost, summary
 from posttrain.files import read_json
+from posttrain.redact import redact_text
 from posttrain.tracking import flatten, stage_outputs
 from posttrain.workspace import stage_env, tool_path
 
@@ -77,7 +78,7 @@ def run_logged(cmd: list[str], *, cwd: str, env: dict, log_path: Path, display) 
     with open(log_path, "w", buffering=1) as log, subprocess.Popen(
             cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             preexec_fn=lifetime.die_with_this_thread()) as proc:
-        for line in proc.stdout:
+        for line in map(redact_text, proc.stdout):  # libraries print the tracking URI whole (MLflow's "View run")
             event = progress.parse(line)
             if event is not None:
                 display.update(event)

@@ -209,8 +209,10 @@ def test_custom_code_runs_in_a_run_and_editing_it_reruns_the_stages(project):
     path = project / "configs" / "words.yaml"
     path.parent.mkdir()
     path.write_text(yaml.safe_dump({"extends": str(REPO / "configs" / "pipeline.yaml"), **overrides}, sort_keys=False))
-    ws = project / "ws"
-    sh("posttrain", "run", "--config", path, "--workdir", ws, cwd=project, timeout=900)
+    ws = project / "runs" / "words"  # the variant's default workspace, a path relative to the caller's folder
+    sh("posttrain", "run", "--config", path, cwd=project, timeout=900)
+    again = sh("posttrain", "run", "--config", path, cwd=project, timeout=900)  # issue 25: exited 1 (KeyError)
+    assert "Nothing to do" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
     assert (ws / "custom" / "words.py").read_text() == WORDS
     train = [json.loads(line) for line in (ws / "data" / "train.jsonl").read_text().splitlines()]
     assert all(row["prompt"].endswith("?") for row in train)      # the custom environment's data

@@ -136,10 +136,10 @@ def test_first_run_is_champion_and_an_equal_second_is_challenger(flow_runs):
 def test_unchanged_inputs_mean_nothing_to_do(flow_runs):
     _, _, _, runs, third = flow_runs
     assert "Nothing to do: data and config are unchanged since retrain run" in third.stdout
-    # decided before the full check (TRL's imports) and Prefect's temporary server (issue 16:
-    # <= 5 s; the bound here leaves room for a loaded CI machine); the scheduled flow run,
-    # which does start Prefect, is timed in tests/test_scheduled.py
-    assert third.seconds < 15, third.seconds
+    # decided before the full check and Prefect's temporary server: the work it does is bounded
+    # by what it imports (python -X importtime's lines on stderr), not by seconds
+    imported = {line.rsplit("|", 1)[-1].strip() for line in third.stderr.splitlines() if line.startswith("import time:")}
+    assert "mlflow" in imported and not {"trl", "torch", "transformers", "prefect.server.api.server"} & imported
     assert len(runs[runs["tags.mlflow.parentRunId"].isna()]) == 2      # no run recorded for it
 
 

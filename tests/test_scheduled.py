@@ -49,12 +49,20 @@ def served(request, tmp_path):
             (ws / "incoming" / "batch.jsonl").write_text(json.dumps({"prompt": "12+3=", "answer": "15"}) + "\n")
         api_url = stack.enter_context(prefect_server(tmp_path, database_url))
         env = process_env(PREFECT_API_URL=api_url, PREFECT_HOME=str(tmp_path / "client-home"),
-                          **({"MLFLOW_TRACKING_URI": mlflow_uri} if mlflow_uri else {}))
+                          **({"MLFLOW_TRACKING_URI": with_password(mlflow_uri)} if mlflow_uri else {}))
         log = tmp_path / "serve.log"
         serve = stack.enter_context(running(["posttrain", "serve", "--workdir", ws, "--cron", "0 3 * * *"],
                                             log=log, env=env, cwd=ws))
         deployment = wait_for(lambda: _deployment(api_url), 120, "the served deployment", serve, log)
         yield ws, api_url, mlflow_uri, deployment, log
+
+
+PASSWORD = "pw-5e0c7d19aa"  # in the tracking URI the runs use: it must reach no output, log or artifact
+
+
+def with_password(uri: str) -> str:
+    """`uri` with user:password (a server without auth ignores them; MLflow prints them)."""
+    return uri.replace("http://", f"http://posttrain:{PASSWORD}@", 1)
 
 
 def _deployment(api_url):
@@ -98,11 +106,13 @@ def test_scheduled_runs_queue_and_skip_unchanged_inputs(served):
     if not mlflow_uri:
         assert "#/experiments/" in summary
         return
-    assert f"{mlflow_uri}/#/experiments/" in summary and "is the champion" in summary
+    assert f"{mlflow_uri.replace('http://', 'http://posttrain:***@')}/#/experiments/" in summary
+    assert "is the champion" in summary
     # the new data is a DVC version: committed .dvc file, data in the remote, rows in training
     assert "data: 1 rows from batch.jsonl" in sh("git", "log", "--format=%s", cwd=ws).stdout
     assert json.loads((ws / "metrics" / "prepare.json").read_text())["datasets_rows"] == 1
     _check_tracking_server(mlflow_uri, ws)
+    _check_password_nowhere(mlflow_uri, ws, log)
 
 
 def _check_tracking_server(uri, ws):
@@ -175,3 +185,17 @@ def test_a_failed_stage_shows_on_its_task_run(flow_runs, tmp_path):
         artifacts = api(api_url, "/artifacts/filter", {"artifacts": {"task_run_id": {"any_": [failed["id"]]}}})
         assert any("boom: this reward function fails" in a["data"] for a in artifacts), artifacts
 
+
+def _check_password_nowhere(uri, ws, log):
+    """MLflow prints "View run ... at <tracking URI>" when a run ends (issue 25): the
+    password must reach neither the run's output, nor a stage log, nor the logs uploaded
+    as artifacts (the proxied artifact store's files), nor `posttrain compare`'s output."""
+    champion = MlflowClient(uri).get_model_version_by_alias("posttrain", "champion").run_id
+    compare = sh("posttrain", "compare", champion, "champion", "--out", ws.parent / "compare.png", cwd=ws,
+                 env={"MLFLOW_TRACKING_URI": with_password(uri)})  # it logs a `compare` run: MLflow's line
+    assert "View run" in log.read_text() and "View run" in compare.stdout  # printed, password masked
+    artifacts = ws.parent / "mlflow-artifacts"
+    files = [log, *(ws / "logs").glob("*.log"), *(p for p in artifacts.rglob("*") if p.is_file())]
+    assert len(files) > 5 and any(p.suffix == ".log" and artifacts in p.parents for p in files)
+    leaked = [str(p) for p in files if PASSWORD.encode() in p.read_bytes()]
+    assert not leaked and PASSWORD not in compare.stdout + compare.stderr, leaked
