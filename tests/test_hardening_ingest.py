@@ -117,3 +117,19 @@ def test_bad_incoming_is_refused_before_the_flow(ws, incoming, make, needles):
         signal.signal(signal.SIGALRM, previous)
     assert_refused(done, *needles)
     assert_nothing_left(ws, before)
+
+
+def test_bad_incoming_is_refused_before_trl_is_imported(ws, incoming):
+    """Cheap checks first (issue 25: a bad file was refused after 31-51 s, behind the TRL
+    config check): the run process refuses the rows without importing TRL or torch, and
+    leaves nothing behind. Bounded by what it imports, not by seconds."""
+    from hardening import cli_process
+
+    (incoming / "x.jsonl").write_text("prompt,answer\n2+3=,5\n")
+    before = state(ws)
+    done = cli_process("run", "--workdir", ws, cwd=ws, env={"PYTHONPROFILEIMPORTTIME": "1"}, timeout=600)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    refusal = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert done.returncode == 2 and len(refusal) == 1 and "x.jsonl:1" in refusal[0], done.stderr[-2000:]
+    assert "posttrain.ingest" in imported and not {"trl", "torch", "transformers"} & imported
+    assert_nothing_left(ws, before)
