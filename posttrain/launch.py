@@ -281,5 +281,25 @@ def join(config, stage: str, node_rank: int, where: str) -> int:
     return code
 
 
+def wait_for_node0(launcher, stage: str, node_rank: int, where: str) -> None:
+    """Until node 0's launcher listens at the rendezvous endpoint, saying so first; at most
+    `rdzv_timeout_s`, then a `UserError` (torchrun would wait as long with no word, then
+    end in a traceback). The launcher starts once node 0 answers; the probe sends nothing."""
+    host, port = rdzv_endpoint(launcher, f"{where}: launcher.rdzv_endpoint")
+    timeout = launcher.rdzv_timeout_s
+    deadline = time.monotonic() + timeout
+    print(f"posttrain: join {stage}: node {node_rank} of {launcher.nodes} waits for node 0's rendezvous at "
+          f"{host}:{port} until {clock_after(timeout)} (launcher.rdzv_timeout_s: {timeout} s)",
+          file=sys.stderr, flush=True)
+    while problem := tcp_problem(host, int(port), timeout=min(5.0, max(0.1, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            raise UserError(where, f"stage {stage}: node 0's rendezvous at {host}:{port} did not answer within "
+                            f"{timeout} s ({problem})", "start the stage on node 0 first (posttrain run, or dvc "
+                            "repro there), or correct launcher.rdzv_endpoint")
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
 if __name__ == "__main__":
+    from posttrain.redact import guard_standard_streams
+
+    guard_standard_streams()  # a rank's MLflow lines carry the tracking URI too (plain `dvc repro` shows them)
     worker(sys.argv[1] if len(sys.argv) > 1 else None)
