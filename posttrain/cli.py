@@ -207,7 +207,10 @@ def run_stage(args) -> None:
         kwargs["config_path"] = config_path  # for the memory plan: gpus.yaml beside the config
     for module, name in STAGE_IMPORTS.get(args.stage, ()):  # start-up, not the stage's compute (make bench)
         getattr(importlib.import_module(module), name)
-    print(json.dumps(main(config, **kwargs), indent=2, sort_keys=True))
+    from posttrain.plugins import stage_refusal  # what the user's plug-ins raise: one line naming the plug-in
+
+    with stage_refusal(where, os.path.join("logs", f"{args.stage}{'@' + kwargs['name'] if args.stage == 'grpo' else ''}.log")):
+        print(json.dumps(main(config, **kwargs), indent=2, sort_keys=True))
 
 
 # The libraries a stage's own work imports, imported before it starts: seconds on a small

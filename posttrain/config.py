@@ -469,11 +469,14 @@ def _check_env(path: Path, config: PipelineConfig) -> tuple[Any, dict[str, list[
     """The environment's options against its own schema; then its splits (the data the
     other checks measure)."""
     from posttrain.envs import env_factory, get_env, options_schema
-    from posttrain.plugins import PluginError
+    from posttrain.plugins import PluginError, plugin_failures
+    from posttrain.workspace import check_custom
 
+    check_custom(Path.cwd())  # where import paths find the user's code: before any of it is read
     try:
-        env = get_env(config.data.env, **config.data.options)
-        splits = env.generate(config.seed)  # new data only adds to the training split
+        with plugin_failures(config.data.env):  # what the user's environment raises: one line, its own frame
+            env = get_env(config.data.env, **config.data.options)
+            splits = env.generate(config.seed)  # new data only adds to the training split
     except ValidationError as err:
         schema = options_schema(env_factory(config.data.env))
         raise schema_error(str(path), err, ("data", "options"), sorted(schema.model_fields) if schema else None) from None

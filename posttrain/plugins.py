@@ -5,21 +5,41 @@ Import paths resolve with the current folder first on Python's path, as under
 `python -m posttrain stage` (the stages' command, run in the workspace): a workspace
 keeps its own modules in `custom/` (`custom.mytask:make_env`), versioned by git and a
 DVC dependency of every stage that runs them (dvc.yaml), so editing one reruns them.
+
+A config is code the user runs, but an import path names a plug-in: a function or class
+of the user's own module or of an installed package, never the standard library or
+builtins (`os:system` would run a command at `posttrain check`) nor posttrain's own
+internals (its built-ins go by name). A module is imported with a time limit, and what
+plug-in code raises (at import, or later: `plugin_failures`) is one line naming the
+plug-in and its own last frame.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import re
 import sys
+import threading
 from importlib.metadata import entry_points
+from pathlib import Path
 
+from pydantic import ValidationError
+
+from posttrain.errors import OptionError, UserError
 from posttrain.yamlfile import show
 
 CUSTOM_DIR = "custom"  # a workspace's own code: on the import path, a DVC dependency of the stages
 _IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+# a module that sleeps or waits on a server at import would block `posttrain check` for ever
+IMPORT_SECONDS_ENV, IMPORT_SECONDS = "POSTTRAIN_PLUGIN_IMPORT_SECONDS", 60.0
+NOT_PLUGINS = frozenset(sys.stdlib_module_names) | {"__main__"}  # what an import path may not name
+WHAT_A_PLUGIN_IS = (f"name a function or class in your own module (e.g. {CUSTOM_DIR}.mytask:make_env, in "
+                    f"{CUSTOM_DIR}/mytask.py) or in an installed package")
+PLUGIN_PACKAGES: set[str] = set()  # top-level packages of the plug-ins loaded here: whose frames are plug-in code
+_STUCK: dict[str, str] = {}  # modules whose import did not finish in time -> where it waited
 
 
 class PluginError(ValueError):
@@ -28,6 +48,11 @@ class PluginError(ValueError):
     def __init__(self, problem: str, fix: str):
         super().__init__(f"{problem}; fix: {fix}")
         self.problem, self.fix = problem, fix
+
+
+# The ways the protocol lets a plug-in refuse its input (each its own one-line message), and
+# a refusal already made here: not failures of the plug-in's code.
+REFUSALS = (UserError, OptionError, PluginError, ValidationError)
 
 
 def is_import_path(name: str) -> bool:
@@ -50,26 +75,109 @@ def _current_folder_first():
 
 
 def load_import_path(path: str):
-    """The object `module:attribute` names; PluginError when the module does not import
-    (its own error, one line) or has no such attribute."""
+    """The object `module:attribute` names; PluginError when it names no plug-in (the
+    standard library, posttrain's internals), when the module does not import (its own
+    error, one line) or does not finish importing in time, or has no such attribute."""
     if not is_import_path(path):
         raise PluginError(f"{show(path)} is not an import path", "write it as package.module:attribute")
     module_name, _, attribute = path.partition(":")
+    _check_module_name(path, module_name)
     with _current_folder_first():
         try:
-            obj = importlib.import_module(module_name)
-        except Exception as err:  # whatever the user's module raises on import, as one line
-            detail = " ".join(str(err).split())[:200]
+            obj = import_in_time(module_name)
+        except (UserError, PluginError):  # the time limit's
+            raise
+        except (Exception, SystemExit) as err:  # whatever the user's module raises on import, as one line
             where = f" (looked in {os.getcwd()}, then sys.path)" if isinstance(err, ModuleNotFoundError) else ""
-            raise PluginError(f"import of {show(module_name)} failed: {type(err).__name__}: {detail}{where}",
+            frame = "" if isinstance(err, ImportError) else plugin_frame(err.__traceback__, module_name)
+            raise PluginError(f"import of {show(module_name)} failed: {describe(err)}{frame}{where}",
                               f"make {show(module_name)} importable from the workspace (e.g. {CUSTOM_DIR}/...py) "
                               "or install its package") from None
+    PLUGIN_PACKAGES.add(module_name.split(".")[0])
     for part in attribute.split("."):
         if not hasattr(obj, part):
             raise PluginError(f"module {show(module_name)} has no attribute {show(attribute)}",
                               f"name one of {sorted(n for n in vars(obj) if not n.startswith('_'))[:12]}")
         obj = getattr(obj, part)
+    check_plugin(path, obj)
     return obj
+
+
+def _check_module_name(path: str, module_name: str) -> None:
+    """Refused before anything is imported: the standard library (or a module of yours
+    named like one: Python finds either) and posttrain's own modules."""
+    top = module_name.split(".")[0]
+    if top in NOT_PLUGINS:
+        raise PluginError(f"{show(path)} names Python's standard library ({top}), not a plug-in",
+                          f"{WHAT_A_PLUGIN_IS} (a module of yours named like a standard one: rename it)")
+    if top == __name__.split(".")[0]:
+        raise PluginError(f"{show(path)} names posttrain's own internals, not a plug-in",
+                          f"use a built-in by its name (e.g. data.env: arithmetic), or {WHAT_A_PLUGIN_IS}")
+
+
+def check_plugin(name: str, obj) -> None:
+    """PluginError unless `obj` comes from a plug-in: functions and classes are defined in
+    their module (not the standard library, builtins or posttrain, which a module of yours
+    may have imported: `from os import system`), other callables by their class."""
+    if not callable(obj):  # a Channel, or no plug-in at all: the caller says what it needs
+        return
+    while isinstance(obj, functools.partial):
+        obj = obj.func
+    routine = hasattr(obj, "__qualname__")  # a function, class, method or builtin; else an object with __call__
+    module = getattr(obj, "__module__", None) if routine else type(obj).__module__
+    top = (module or "builtins").split(".")[0]
+    if top in NOT_PLUGINS or (routine and top == __name__.split(".")[0]):
+        kind = "posttrain's own" if top == __name__.split(".")[0] else "Python's standard library"
+        raise PluginError(f"{show(name)} is {getattr(obj, '__qualname__', type(obj).__name__)} of {kind} ({module}), "
+                          "not a plug-in", WHAT_A_PLUGIN_IS)
+
+
+def import_in_time(module_name: str):
+    """`importlib.import_module`, on a daemon thread joined for at most
+    POSTTRAIN_PLUGIN_IMPORT_SECONDS: a module that blocks at import (a sleep, a server that
+    never answers) ends in PluginError naming the line it waits at, never a hang. Ctrl-C
+    still interrupts the wait (the join is the main thread's)."""
+    limit = import_seconds()
+    if module_name in _STUCK:  # still importing on its thread: a second wait would be as long
+        raise _too_slow(module_name, limit, _STUCK[module_name])
+    if sys.modules.get(module_name) is not None:
+        return importlib.import_module(module_name)
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["module"] = importlib.import_module(module_name)
+        except BaseException as err:  # SystemExit included: handed to the caller, not lost with the thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, name=f"import {module_name}", daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        _STUCK[module_name] = _waiting_at(thread, module_name)
+        raise _too_slow(module_name, limit, _STUCK[module_name])
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["module"]
+
+
+def _too_slow(module_name: str, limit: float, where: str) -> PluginError:
+    return PluginError(f"import of {show(module_name)} did not finish in {limit:g} s{where}",
+                       f"do no slow work at import (move it into the factory or function), or raise "
+                       f"{IMPORT_SECONDS_ENV}")
+
+
+def import_seconds() -> float:
+    """The import time limit: POSTTRAIN_PLUGIN_IMPORT_SECONDS, else 60 s."""
+    text = os.environ.get(IMPORT_SECONDS_ENV, "")
+    try:
+        seconds = float(text) if text.strip() else IMPORT_SECONDS
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 86_400:
+        raise UserError(IMPORT_SECONDS_ENV, f"{show(text)} is not a number of seconds",
+                        f"set it between 0 and 86400, or unset it (default {IMPORT_SECONDS:g})")
+    return seconds
 
 
 def lookup(name: str, registry: dict, what: str, example: str, group: str | None = None):
@@ -84,6 +192,7 @@ def lookup(name: str, registry: dict, what: str, example: str, group: str | None
     if found is None:
         known = sorted(registry) + (entry_point_names(group) if group else [])
         raise PluginError(f"unknown {what} {show(name)}", f"use one of {known}, or an import path {example}")
+    check_plugin(name, found)
     return found
 
 
@@ -93,13 +202,90 @@ def entry_point(group: str, name: str):
     found = list(entry_points(group=group, name=name))
     if not found:
         return None
+    module_name = found[0].value.split(":")[0].strip()
+    _check_module_name(f"{name} = {found[0].value}", module_name)
     try:
+        import_in_time(module_name)
+        PLUGIN_PACKAGES.add(module_name.split(".")[0])
         return found[0].load()
-    except Exception as err:
+    except (UserError, PluginError):  # the time limit's
+        raise
+    except (Exception, SystemExit) as err:
         raise PluginError(f"entry point {show(name)} of group {show(group)} ({found[0].value}) does not load: "
-                          f"{type(err).__name__}: {' '.join(str(err).split())[:200]}",
-                          f"reinstall the package that registers it ({found[0].value.split(':')[0]})") from None
+                          f"{describe(err)}", f"reinstall the package that registers it ({module_name})") from None
 
 
 def entry_point_names(group: str) -> list[str]:
     return sorted({point.name for point in entry_points(group=group)})
+
+
+# --- what plug-in code raises --------------------------------------------------------------
+def describe(err: BaseException) -> str:
+    """`Type: message` on one line, cut short (a plug-in's message may be huge)."""
+    if isinstance(err, SystemExit):
+        return f"SystemExit: sys.exit({show(err.code)})"
+    detail = " ".join(str(err).split())
+    return f"{type(err).__name__}: {detail[:200]}{'...' if len(detail) > 200 else ''}"
+
+
+def plugin_frame(tb, module_name: str | None = None) -> str:
+    """` at custom/words.py:12 in generate`: the deepest frame of traceback `tb` in plug-in
+    code (a module of `module_name`'s top-level package, or of any plug-in loaded in this
+    process), or "" when none is."""
+    frames = []
+    while tb is not None:
+        frames.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    return _deepest_plugin_frame(frames, module_name)
+
+
+def _waiting_at(thread: threading.Thread, module_name: str) -> str:
+    """Where `thread` is now, in the plug-in's code (as `plugin_frame`)."""
+    frame, frames = sys._current_frames().get(thread.ident), []
+    while frame is not None:
+        frames.insert(0, (frame, frame.f_lineno))
+        frame = frame.f_back
+    return _deepest_plugin_frame(frames, module_name)
+
+
+def _deepest_plugin_frame(frames, module_name: str | None) -> str:
+    packages = PLUGIN_PACKAGES | ({module_name.split(".")[0]} if module_name else set())
+    mine = [(f, line) for f, line in frames if str(f.f_globals.get("__name__", "")).split(".")[0] in packages]
+    if not mine:
+        return ""
+    frame, line = mine[-1]
+    path = Path(frame.f_code.co_filename)
+    with contextlib.suppress(ValueError):
+        path = path.relative_to(Path.cwd())
+    return f" at {path}:{line} in {frame.f_code.co_name} ({frame.f_globals['__name__']})"
+
+
+@contextlib.contextmanager
+def plugin_failures(name: str | None = None):
+    """Run plug-in code: an exception raised in it (a frame of its traceback is a plug-in's,
+    or in `name`'s module) becomes a PluginError naming the plug-in, what it raised and its
+    own last frame, in one line. Anything else passes unchanged, as do the refusals the
+    protocol provides (REFUSALS) and Ctrl-C."""
+    try:
+        yield
+    except REFUSALS:
+        raise
+    except (Exception, SystemExit) as err:
+        frame = plugin_frame(err.__traceback__, name.partition(":")[0] if name and is_import_path(name) else None)
+        if not frame:
+            raise
+        raise PluginError(f"{show(name) if name else 'a plug-in'} raised {describe(err)}{frame}",
+                          "correct the plug-in's code there (its protocol: posttrain/envs/base.py)") from None
+
+
+@contextlib.contextmanager
+def stage_refusal(where: str, log: str):
+    """A stage's work: what plug-in code raises (`plugin_failures`), and a plug-in that does
+    not load, end it as a UserError at `where` (one line, exit 2), naming the `log` that
+    holds the stage's output when there is one (a run's logs/<stage>.log)."""
+    try:
+        with plugin_failures():
+            yield
+    except PluginError as err:
+        kept = f" (the stage's output: {log})" if os.path.isfile(log) else ""
+        raise UserError(where, err.problem + kept, err.fix) from None

@@ -55,8 +55,8 @@ def get_env(name: str, **options) -> Environment:
     try:
         env = factory(**options)
     except TypeError as err:
-        if schema is not None:
-            raise
+        if schema is not None or not _about_arguments(err):
+            raise  # the plug-in's own error (posttrain.plugins.plugin_failures names its frame)
         raise PluginError(f"{show(name)} did not take data.options {sorted(options)}: {err}",
                           "pass only the keyword arguments it accepts, or give it an Options schema") from None
     missing = missing_methods(env)
@@ -68,6 +68,12 @@ def get_env(name: str, **options) -> Environment:
         with contextlib.suppress(AttributeError):
             env.name = name  # messages name the environment
     return env
+
+
+def _about_arguments(err: TypeError) -> bool:
+    """Whether the factory (or what it hands its options to) refused the arguments, as
+    opposed to a TypeError of its own code (`None + 1`)."""
+    return err.__traceback__.tb_next is None or "argument" in str(err)
 
 
 __all__ = ["ENTRY_POINT_GROUP", "ENVIRONMENTS", "EnvOptions", "Environment", "env_factory", "get_env",

@@ -26,6 +26,17 @@ Optional:
   is not a valid example beyond verifying its own completion, or None.
 - Reward channels are not the environment's: `posttrain.rewards` builds them from
   `parse`/`verify`, and a stage may add its own by import path.
+
+What an import path may name (posttrain.plugins): a function or class of your own module
+(`custom/`) or of an installed package; not the standard library or builtins (`os:system`,
+`builtins:eval`, nor a module of yours re-exporting them), not posttrain's internals (its
+built-ins go by name). Its module must finish importing within 60 s
+(POSTTRAIN_PLUGIN_IMPORT_SECONDS): do slow work in the factory, not at import. What your
+code raises, and a `sys.exit` in it, ends `posttrain check` or the stage in one line that
+names the plug-in and its own last frame (file:line); to refuse bad input on purpose, raise
+`posttrain.errors.UserError` / `OptionError`, whose own line is shown. `custom/` holds files
+and folders of the project only: a link that leads out of it, to nothing or into a loop,
+and a FIFO, socket or device, are refused before anything reads them.
 """
 
 from __future__ import annotations
