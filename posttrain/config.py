@@ -469,8 +469,7 @@ def _check_env(path: Path, config: PipelineConfig) -> tuple[Any, dict[str, list[
     """The environment's options against its own schema; then its splits (the data the
     other checks measure)."""
     from posttrain.envs import env_factory, get_env, options_schema
-    from posttrain.plugins import PluginError, plugin_failures
-    from posttrain.workspace import check_custom
+    from posttrain.plugins import PluginError, check_custom, plugin_failures
 
     check_custom(Path.cwd())  # where import paths find the user's code: before any of it is read
     try:

@@ -17,10 +17,12 @@ plug-in and its own last frame.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import importlib
 import os
 import re
+import stat
 import sys
 import threading
 from importlib.metadata import entry_points
@@ -217,6 +219,69 @@ def entry_point(group: str, name: str):
 
 def entry_point_names(group: str) -> list[str]:
     return sorted({point.name for point in entry_points(group=group)})
+
+
+# --- custom/: the user's code, read by imports, DVC, git and the copy into a workspace -----
+# what a file in custom/ may not be: reading one blocks (a FIFO), fails or never ends (a device)
+MAX_CUSTOM_ENTRIES = 100_000  # the walk's bound (links can multiply what a copy reads)
+SPECIAL_FILES = {stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+                 stat.S_IFBLK: "a block device"}
+
+
+def check_custom(root: Path) -> None:
+    """`root/custom/` (the user's code, imported, hashed by DVC, copied and committed into
+    workspaces) holds only files and folders of `root`: UserError naming the first link
+    that leads outside `root` (/etc/passwd would be committed as the user's data), to
+    nothing or into a loop, and the first special file, before anything reads them. Links
+    within `root` are fine: they are copied as what they point at."""
+    root, pending, walked = Path(root).resolve(), [(Path(root) / CUSTOM_DIR, frozenset(), None)], 0
+    if not os.path.lexists(pending[0][0]):
+        return
+    while pending:
+        # above: the folders (real paths) the copy passes through to reach it; via: the last link on the way
+        path, above, via = pending.pop()
+        via = path if path.is_symlink() else via
+        mode, real = _custom_entry_mode(path, root), Path(os.path.realpath(path))
+        if stat.S_ISDIR(mode) and real in above:
+            raise UserError(_shown(via or path), f"leads back to {_shown(real)}, a folder that holds it (a loop: "
+                            "copying it would never end)", f"remove the link {_shown(via or path)}")
+        walked += 1
+        if walked > MAX_CUSTOM_ENTRIES:
+            raise UserError(_shown(root / CUSTOM_DIR), f"holds over {MAX_CUSTOM_ENTRIES:,} files and folders "
+                            "(links included)", "keep code and small files there; version data with DVC (datasets/)")
+        if stat.S_ISDIR(mode):
+            pending.extend((p, above | {real}, via) for p in sorted(path.iterdir(), reverse=True) if p.name != "__pycache__")
+        elif stat.S_IFMT(mode) in SPECIAL_FILES:
+            raise UserError(_shown(path), f"is {SPECIAL_FILES[stat.S_IFMT(mode)]}, not a file: reading it blocks or "
+                            "fails", f"remove it from {CUSTOM_DIR}/ ({CUSTOM_DIR}/ holds your code and its small files)")
+
+
+def _custom_entry_mode(path: Path, root: Path) -> int:
+    """The mode of what `path` is (a link's target's): UserError when it is a link out of
+    `root` or to nothing, or cannot be read."""
+    real = Path(os.path.realpath(path))
+    link = f"is a link to {os.readlink(path)}" if path.is_symlink() else "is inside a linked folder"
+    if not real.is_relative_to(root):
+        raise UserError(_shown(path), f"{link}, outside {root} (it would be read and committed as your own)",
+                        f"copy the file into {CUSTOM_DIR}/ instead of linking it")
+    try:
+        mode = path.stat().st_mode
+        if stat.S_ISDIR(mode):
+            os.listdir(path)
+        elif stat.S_ISREG(mode) and not os.access(path, os.R_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return mode
+    except OSError as err:
+        problem = f"{link}, which does not exist" if isinstance(err, FileNotFoundError) else \
+            f"cannot be read: {err.strerror}{' (' + link + ')' if path.is_symlink() else ''}"
+        raise UserError(_shown(path), problem, f"remove it from {CUSTOM_DIR}/, or copy in what it should hold") from None
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the current folder when it is under it (how the user names it)."""
+    with contextlib.suppress(ValueError):
+        return str(path.relative_to(Path.cwd()))
+    return str(path)
 
 
 # --- what plug-in code raises --------------------------------------------------------------
