@@ -552,9 +552,11 @@ def prompt_chars(config: PipelineConfig, env=None, rows: dict[str, list[dict]] |
     when not given."""
     if env is None:
         from posttrain.envs import get_env
+        from posttrain.plugins import plugin_refusal
 
-        env = get_env(config.data.env, **config.data.options)
-        rows = env.generate(config.seed)
+        with plugin_refusal("data.env", config.data.env):  # the user's environment: one line if it raises
+            env = get_env(config.data.env, **config.data.options)
+            rows = env.generate(config.seed)
     chat = check_chat() if check_chat else config.data.chat
     if chat:  # the prompt as generation sees it
         return _longest_rendered(config, getattr(env, "system", None), rows)

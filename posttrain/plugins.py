@@ -344,13 +344,18 @@ def plugin_failures(name: str | None = None):
 
 
 @contextlib.contextmanager
-def stage_refusal(where: str, log: str):
-    """A stage's work: what plug-in code raises (`plugin_failures`), and a plug-in that does
-    not load, end it as a UserError at `where` (one line, exit 2), naming the `log` that
-    holds the stage's output when there is one (a run's logs/<stage>.log)."""
+def plugin_refusal(where: str, name: str | None = None, log: str | None = None):
+    """Plug-in code run for a command: what it raises (`plugin_failures`), and a plug-in
+    that does not load, end the command as a UserError at `where` (one line, exit 2),
+    naming the `log` that holds its output when there is one."""
     try:
-        with plugin_failures():
+        with plugin_failures(name):
             yield
     except PluginError as err:
-        kept = f" (the stage's output: {log})" if os.path.isfile(log) else ""
+        kept = f" (the stage's output: {log})" if log and os.path.isfile(log) else ""
         raise UserError(where, err.problem + kept, err.fix) from None
+
+
+def stage_refusal(where: str, log: str):
+    """A stage's work under `plugin_refusal`; `log`: a run's logs/<stage>.log."""
+    return plugin_refusal(where, log=log)
