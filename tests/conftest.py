@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-import pytest
-import yaml
+# Every library's home, cache and config in one temporary folder for the session, set before
+# any of them is imported (pytest imports this file first): the tests' flow runs would land
+# in the user's own ~/.prefect/prefect.db (and show in their Prefect UI), their datasets and
+# fonts in ~/.cache, telemetry ids in ~/.config. Every process a test starts inherits it.
+TEST_HOME = Path(tempfile.mkdtemp(prefix="posttrain-tests-home-"))
+atexit.register(shutil.rmtree, TEST_HOME, True)
+HOMES = {"PREFECT_HOME": "prefect", "HF_HOME": "huggingface", "HF_DATASETS_CACHE": "huggingface/datasets",
+         "MPLCONFIGDIR": "matplotlib", "XDG_CACHE_HOME": "cache", "XDG_CONFIG_HOME": "config",
+         "XDG_DATA_HOME": "share", "XDG_STATE_HOME": "state", "VLLM_CACHE_ROOT": "cache/vllm",
+         "DVC_SITE_CACHE_DIR": "dvc-site"}  # named even where XDG_* covers it: the user may have set it
+os.environ.update({name: str(TEST_HOME / folder) for name, folder in HOMES.items()})
+for name in ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH"):
+    os.environ.pop(name, None)  # the user's Prefect server and profile: a test that needs a server starts one
+
+import pytest  # noqa: E402 - after the homes are set
+import yaml  # noqa: E402
 
 from posttrain.cli import OFFLINE_DEFAULTS
 from posttrain import workspace
