@@ -6,11 +6,21 @@ and stops it at exit (atexit). A process killed with SIGKILL runs no atexit, so 
 server would listen for good. Here Prefect still starts and stops its server itself
 (port, health check, reuse by every client of the process); its child process only
 gets the parent-death signal as well, so the kernel ends it with the process.
+
+The server listens on a loopback port, which every local user can reach: without a
+password, another user could read the run's flow runs and mark them cancelled. It gets
+Prefect's own basic-auth setting, a random string made per process for the server
+(`PREFECT_SERVER_API_AUTH_STRING`) and this process's client (`PREFECT_API_AUTH_STRING`);
+other processes of this user started from it inherit it, others get 401 (its health
+check stays open, as Prefect has it). A flow run cancelled from elsewhere is not watched
+for: only this user, through this process's server, could cancel it, and Ctrl-C does.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import subprocess
 import threading
 import types
@@ -30,17 +40,34 @@ class _Popen(subprocess.Popen):
         super().__init__(*args, **kwargs)
 
 
+AUTH_STRING = secrets.token_urlsafe(32)  # one per process: the temporary server is one per process
+
+
 def bind_to_process() -> None:
     """Make the temporary server Prefect starts from this process's main thread die with
-    the process. Nothing to do when `PREFECT_API_URL` names a server."""
+    the process, and answer only clients that hold this process's auth string. Nothing to
+    do when `PREFECT_API_URL` names a server."""
     from prefect.settings import PREFECT_API_URL
 
     if PREFECT_API_URL.value():
         return
+    protect()
     from prefect.server.api import server
 
     if isinstance(server.subprocess, types.ModuleType):  # the server module's own `import subprocess`
         server.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": _Popen})
+
+
+def protect() -> None:
+    """Set Prefect's auth string for the temporary server and this process's client (a
+    string the user set for the server is kept), before the server starts: Prefect reads
+    its settings once, and again when `refresh_global_settings_context` says so."""
+    from prefect.context import refresh_global_settings_context
+
+    server_string = os.environ.setdefault("PREFECT_SERVER_API_AUTH_STRING", AUTH_STRING)
+    if os.environ.get("PREFECT_API_AUTH_STRING") != server_string:
+        os.environ["PREFECT_API_AUTH_STRING"] = server_string
+        refresh_global_settings_context()
 
 
 class _Quiet(logging.Filter):
