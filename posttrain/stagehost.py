@@ -15,6 +15,13 @@ libraries do not read when imported (`MAY_DIFFER`); anything else, and a host th
 answer, and the stage runs in its own process as it always did (plain `dvc repro`). The
 fork ends when its client ends (kill -9 included: as a stage ends with its dvc process),
 and when the host ends; the host ends with the flow that started it.
+
+Other local users: the socket is an abstract one (Linux), a name with no file, gone with
+the last process that holds it, so a killed run leaves nothing in /tmp. Such a name has no
+file permissions: each end checks that the other is this user (SO_PEERCRED) before it
+reads or sends anything (a request carries the environment and the terminal). The host
+reads each request as it comes, at most `MAX_REQUEST` bytes and within `REQUEST_WAIT`: a
+client that connects and sends nothing, or too much, holds up no other.
 """
 
 from __future__ import annotations
@@ -26,8 +33,14 @@ import signal
 import socket
 import struct
 import sys
+import time
+from dataclasses import dataclass, field
 
 ENV_VAR = "POSTTRAIN_STAGE_HOST"  # the host's socket, set by the flow for the stages it runs
+ABSTRACT = "@"  # how ENV_VAR writes an abstract socket's leading NUL (no variable holds a NUL)
+MAX_REQUEST = 1 << 20  # bytes: argv, folder, environment and sys.path are a few KiB; more is refused
+REQUEST_WAIT = 30.0  # seconds a connected client has to send its request before it is dropped
+UCRED = struct.Struct("3i")  # struct ucred, what SO_PEERCRED gives: pid, uid, gid
 # what the host imports, in this order: TRL's configs (for `posttrain run`'s check of the
 # trl: blocks), then what the stages import at start-up and their heaviest libraries
 PRELOAD = (("trl", "GRPOConfig"), ("transformers", "AutoModelForCausalLM"), ("trl", "SFTTrainer"), ("trl", "GRPOTrainer"),
@@ -59,14 +72,9 @@ def run_in_host(argv: list[str], *, stdio: tuple[int, int, int] = (0, 1, 2), qui
 
     die_with_run()  # a stage's client ends with dvc and the flow; the stage ends with it
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    replies = client.makefile("r")
     try:
-        client.connect(path)
-        request = json.dumps({"argv": sys.argv[:1] + argv, "cwd": os.getcwd(), "env": dict(os.environ),
-                              "path": sys.path, "executable": sys.executable,
-                              "package": STARTED_WITH["package"]}).encode()
-        socket.send_fds(client, [HEADER.pack(len(request)) + request], list(stdio))
-        replies = client.makefile("r")
-        answer = replies.readline().split()
+        answer = hand_over(client, path, argv, stdio) or replies.readline().split()
     except OSError:
         answer = []
     if not answer or answer[0] != "started":  # declined, or the host died before it forked
@@ -84,6 +92,29 @@ def run_in_host(argv: list[str], *, stdio: tuple[int, int, int] = (0, 1, 2), qui
         print("posttrain: the stage host ended before the command did", file=sys.stderr, flush=True)
         return 1
     return int(ended[1])
+
+
+def hand_over(client: socket.socket, path: str, argv: list[str], stdio: tuple[int, int, int]) -> list[str]:
+    """Connect `client` to the host at `path` and send it the command: nothing when sent
+    (its answer follows), or the reason it was not."""
+    client.connect(address(path))
+    if peer_uid(client) != os.getuid():  # a name another user bound: it gets neither our environment nor stdio
+        return ["declined", "its socket is another user's"]
+    request = json.dumps({"argv": sys.argv[:1] + argv, "cwd": os.getcwd(), "env": dict(os.environ),
+                          "path": sys.path, "executable": sys.executable,
+                          "package": STARTED_WITH["package"]}).encode()
+    socket.send_fds(client, [HEADER.pack(len(request)) + request], list(stdio))
+    return []
+
+
+def address(name: str) -> str:
+    """The socket ENV_VAR names: `@NAME`, an abstract one (Linux); else a file's path."""
+    return "\0" + name[len(ABSTRACT):] if name.startswith(ABSTRACT) else name
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The user id of the process at the other end of `conn` (as it connected or listened)."""
+    return UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size))[1]
 
 
 @contextlib.contextmanager
@@ -167,65 +198,155 @@ def serve(listener: socket.socket) -> int | None:
     import selectors
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the flow's to handle: the host ends with it
-    host, pending = os.getpid(), list(PRELOAD)
-    forks: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, connection)
+    pending = list(PRELOAD)
     with selectors.DefaultSelector() as selector:
-        selector.register(listener, selectors.EVENT_READ)
+        host = Host(listener, selector)
+        selector.register(listener, selectors.EVENT_READ, host.accept)
         while True:
-            for key, _ in selector.select(timeout=0 if pending else None):
-                if key.fileobj is listener:
-                    conn, _ = listener.accept()
-                    pid = take(conn, [listener, selector, *(c for _, c in forks.values())], list(forks))
-                    if os.getpid() != host:
-                        return pid  # the fork: the command's exit code
-                    if pid is not None:
-                        pidfd = os.pidfd_open(pid)
-                        forks[pidfd] = (pid, conn)
-                        selector.register(pidfd, selectors.EVENT_READ)
-                else:  # a fork ended: its client gets the exit code
-                    pid, conn = forks.pop(key.fd)
-                    selector.unregister(key.fd)
-                    os.close(key.fd)
-                    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-                    with contextlib.suppress(OSError), conn:
-                        conn.sendall(f"exit {code if code >= 0 else 128 - code}\n".encode())
+            for key, _ in selector.select(timeout=0 if pending else host.next_deadline()):
+                code = key.data(key.fileobj)  # the handler registered with it
+                if code is not None:
+                    return code  # the fork: the command's exit code
+            host.drop_silent()
             if pending:
                 module, name = pending.pop(0)
                 getattr(importlib.import_module(module), name)
 
 
-def take(conn: socket.socket, inherited: list, inherited_fds: list[int]) -> int | None:
-    """Read one request from `conn` and fork for it: the fork's pid in the host (None when
-    refused); in the fork, the stage's exit code once it has run."""
-    try:
-        conn.settimeout(30)
-        data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-        size = HEADER.unpack_from(data)[0]
-        while len(data) < HEADER.size + size:
-            more = conn.recv(1 << 20)
-            if not more:
-                raise OSError("the client left")
-            data += more
-        request = json.loads(data[HEADER.size:HEADER.size + size])
-        conn.settimeout(None)
-    except (OSError, ValueError, struct.error) as err:
-        conn.close()
-        return print(f"stage host: a bad request: {err}", file=sys.stderr, flush=True)
-    problem = refusal(request) if len(fds) == 3 else "it did not pass its stdin, stdout and stderr"
-    pid = None if problem else os.fork()
-    if pid == 0:
-        for thing in inherited:  # the host's socket and the other stages' connections
-            thing.close()
-        for fd in inherited_fds:
+@dataclass
+class Incoming:
+    """A request being read: the bytes and descriptors so far, and when its client is dropped."""
+
+    deadline: float
+    data: bytearray = field(default_factory=bytearray)
+    fds: list[int] = field(default_factory=list)
+
+
+class Host:
+    """The host's connections: requests still coming in, read as their bytes arrive (no
+    client holds up another), and the forks running, each with its client's connection.
+    Each handler returns None, except in a fork: the command's exit code."""
+
+    def __init__(self, listener: socket.socket, selector):
+        self.listener, self.selector = listener, selector
+        self.incoming: dict[socket.socket, Incoming] = {}
+        self.forks: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, the client's connection)
+
+    def accept(self, listener: socket.socket) -> None:
+        import selectors
+
+        try:
+            conn, _ = listener.accept()
+        except OSError:  # the client left already
+            return None
+        user = peer_uid(conn)
+        if user != os.getuid():  # another local user: it reads nothing, not even a refusal
+            return self.drop(conn, f"refused a connection from user {user}")
+        conn.setblocking(False)
+        self.incoming[conn] = Incoming(time.monotonic() + REQUEST_WAIT)
+        self.selector.register(conn, selectors.EVENT_READ, self.read)
+
+    def read(self, conn: socket.socket) -> int | None:
+        got = self.incoming[conn]
+        try:
+            data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+        except BlockingIOError:
+            return None
+        except OSError as err:
+            return self.drop(conn, f"a bad request: {err}")
+        got.data += data
+        got.fds += fds
+        if not data:
+            return self.drop(conn, "a client left before its request was complete")
+        if len(got.data) < HEADER.size:
+            return None
+        size = HEADER.unpack_from(got.data)[0]
+        if size > MAX_REQUEST:
+            return self.decline(conn, f"its request is {size} bytes, more than the {MAX_REQUEST} a host reads")
+        if len(got.data) < HEADER.size + size:
+            return None
+        try:
+            request = json.loads(got.data[HEADER.size:HEADER.size + size])
+        except ValueError as err:
+            return self.drop(conn, f"a bad request: {err}")
+        if not isinstance(request, dict):
+            return self.drop(conn, "a bad request: not a JSON object")
+        fds, got.fds = got.fds, []
+        self.forget(conn)
+        return self.start(conn, request, fds)
+
+    def start(self, conn: socket.socket, request: dict, fds: list[int]) -> int | None:
+        """Fork for `request`: in the fork, run it; here, watch the fork's end."""
+        import selectors
+
+        problem = refusal(request) if len(fds) == 3 else "it did not pass its stdin, stdout and stderr"
+        pid = None if problem else os.fork()
+        if pid == 0:
+            self.close_inherited()
+            conn.setblocking(True)
+            return run_stage(request, fds, conn)
+        for fd in fds:
             os.close(fd)
-        return run_stage(request, fds, conn)
-    for fd in fds:
-        os.close(fd)
-    with contextlib.suppress(OSError):
-        conn.sendall(f"declined {problem}\n".encode() if problem else f"started {pid}\n".encode())
-    if problem:
+        if problem:
+            return self.decline(conn, problem)
+        with contextlib.suppress(OSError):
+            conn.sendall(f"started {pid}\n".encode())
+        pidfd = os.pidfd_open(pid)
+        self.forks[pidfd] = (pid, conn)
+        self.selector.register(pidfd, selectors.EVENT_READ, self.ended)
+        return None
+
+    def ended(self, pidfd: int) -> None:
+        """A fork ended: its client gets the exit code."""
+        pid, conn = self.forks.pop(pidfd)
+        self.selector.unregister(pidfd)
+        os.close(pidfd)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        with contextlib.suppress(OSError), conn:
+            conn.sendall(f"exit {code if code >= 0 else 128 - code}\n".encode())
+
+    def next_deadline(self) -> float | None:
+        """Seconds until the next silent client is dropped (None: no client is awaited)."""
+        deadlines = [got.deadline for got in self.incoming.values()]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def drop_silent(self) -> None:
+        for conn in [c for c, got in self.incoming.items() if got.deadline <= time.monotonic()]:
+            self.drop(conn, f"a client sent no complete request in {REQUEST_WAIT:.0f} s")
+
+    def decline(self, conn: socket.socket, problem: str) -> None:
+        """Tell the client why not (it runs the command itself), and forget it."""
+        with contextlib.suppress(OSError):
+            conn.sendall(f"declined {problem}\n".encode())
+        self.drop(conn)
+
+    def drop(self, conn: socket.socket, why: str | None = None) -> None:
+        """Close `conn`, saying `why` in the host's log."""
+        if why:
+            print(f"stage host: {why}", file=sys.stderr, flush=True)
+        self.forget(conn)
         conn.close()
-    return pid
+
+    def forget(self, conn: socket.socket) -> None:
+        """Stop reading `conn`'s request, closing the descriptors it passed."""
+        got = self.incoming.pop(conn, None)
+        if got is not None:
+            self.selector.unregister(conn)
+            for fd in got.fds:
+                os.close(fd)
+
+    def close_inherited(self) -> None:
+        """In a fork: close what the host holds (its socket, its other clients, their forks).
+        The selector first, unchanged: its interest list is the host's as well."""
+        self.selector.close()
+        self.listener.close()
+        for conn, got in self.incoming.items():
+            conn.close()
+            for fd in got.fds:
+                os.close(fd)
+        for pidfd, (_, conn) in self.forks.items():
+            os.close(pidfd)
+            conn.close()
 
 
 def run_stage(request: dict, fds: list[int], conn: socket.socket) -> int:
@@ -263,8 +384,10 @@ def hosting(workdir: str, env: dict[str, str]):
     """A host for the stages run in `workdir` while the block runs: its socket is named in
     this process's environment (ENV_VAR), which the stage processes inherit. `env`: the
     stages' environment without their own variables. A host this process started already
-    (for the same folder) is kept. Nothing is written in `workdir` (a refused run leaves
-    nothing); a host that ended by itself leaves its last lines on stderr."""
+    (for the same folder) is kept. Nothing is written anywhere, in `workdir` or /tmp (a
+    refused or killed run leaves nothing); a host that ended by itself leaves its last
+    lines on stderr."""
+    import secrets
     import subprocess
     import tempfile
 
@@ -277,33 +400,40 @@ def hosting(workdir: str, env: dict[str, str]):
     if os.environ.get(ENV_VAR) in HOSTS.get(folder_key, ()):
         yield os.environ[ENV_VAR]
         return
-    with tempfile.TemporaryDirectory(prefix="posttrain-host-") as folder:
-        path, log_path = os.path.join(folder, "socket"), os.path.join(folder, "host.log")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
-            listener.bind(path)  # bound here: a stage that connects before the host is up waits for it
-            listener.listen(16)
-            with open(log_path, "w") as log:
-                host = subprocess.Popen([sys.executable, "-m", "posttrain.stagehost", str(listener.fileno())],
-                                        cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                        pass_fds=[listener.fileno()], preexec_fn=lifetime.die_with_this_thread())
-        before = os.environ.get(ENV_VAR)
-        os.environ[ENV_VAR] = path
-        HOSTS.setdefault(folder_key, set()).add(path)
-        try:
-            yield path
-        finally:
-            HOSTS[folder_key].discard(path)
-            if before is None:
-                os.environ.pop(ENV_VAR, None)
-            else:
-                os.environ[ENV_VAR] = before
-            if host.poll() is not None:  # it ended by itself: the stages ran in their own processes
-                with open(log_path, errors="replace") as log:
-                    tail = log.read()[-2000:]
-                print(f"posttrain: the stage host ended (exit {host.returncode}); its last lines:\n{tail}",
-                      file=sys.stderr, flush=True)
-            host.kill()
-            host.wait()
+    name = f"{ABSTRACT}posttrain-host-{os.getpid()}-{secrets.token_hex(16)}"  # unguessable: no one binds it first
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener, tempfile.TemporaryFile("w+", errors="replace") as log:
+        listener.bind(address(name))  # bound here: a stage that connects before the host is up waits for it
+        listener.listen(16)
+        host = subprocess.Popen([sys.executable, "-m", "posttrain.stagehost", str(listener.fileno())],
+                                cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                pass_fds=[listener.fileno()], preexec_fn=lifetime.die_with_this_thread())
+        listener.close()  # the host's alone: the name goes with the host
+        with named(name, folder_key):
+            try:
+                yield name
+            finally:
+                if host.poll() is not None:  # it ended by itself: the stages ran in their own processes
+                    log.seek(0)
+                    print(f"posttrain: the stage host ended (exit {host.returncode}); its last lines:\n"
+                          f"{log.read()[-2000:]}", file=sys.stderr, flush=True)
+                host.kill()
+                host.wait()
+
+
+@contextlib.contextmanager
+def named(name: str, folder_key: str):
+    """ENV_VAR names the host `name` for the block, which runs the stages of `folder_key`."""
+    before = os.environ.get(ENV_VAR)
+    os.environ[ENV_VAR] = name
+    HOSTS.setdefault(folder_key, set()).add(name)
+    try:
+        yield
+    finally:
+        HOSTS[folder_key].discard(name)
+        if before is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = before
 
 
 if __name__ == "__main__":
