@@ -100,8 +100,8 @@ class LauncherSection(Section):
                                                             "check / run starts in (a workspace records it absolute).")
     rdzv_endpoint: str | None = Field(None, description="HOST:PORT of node 0 for nodes > 1; null: the "
                                                         f"environment's {RDZV_ENV}.")
-    rdzv_timeout_s: int = Field(1800, ge=10, description="For nodes > 1: how long node 0 and the joining nodes "
-                                                          "wait for each other before the stage fails.")
+    rdzv_timeout_s: int = Field(1800, ge=10, le=7 * 24 * 3600, description="For nodes > 1: how long node 0 and "
+                                "the joining nodes wait for each other before the stage fails (at most a week).")
 
     @model_validator(mode="after")
     def _a_consistent_launch(self):
@@ -119,8 +119,10 @@ class LauncherSection(Section):
     @field_validator("rdzv_endpoint")
     @classmethod
     def _a_host_and_port(cls, endpoint):
-        if endpoint is not None and not re.fullmatch(r"[A-Za-z0-9_.\-\[\]:]+:\d{1,5}", endpoint):
-            raise invalid(f"{show(endpoint)} is not HOST:PORT", "write e.g. node0.cluster:29500")
+        found = re.fullmatch(r"[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})", endpoint) if endpoint is not None else None
+        if endpoint is not None and not (found and 1 <= int(found[1]) <= 65535):
+            raise invalid(f"{show(endpoint)} is not HOST:PORT (a port from 1 to 65535)",
+                          "write e.g. node0.cluster:29500")
         return endpoint
 
 

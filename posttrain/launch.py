@@ -25,6 +25,7 @@ always node 0's first process: the node that runs the stage holds the job. The w
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import importlib
 import json
@@ -39,8 +40,9 @@ from posttrain import lifetime
 from posttrain.errors import TrainingFailed, UserError
 from posttrain.files import read_json, write_json
 from posttrain.machine import rdzv_endpoint
-from posttrain.probe import free_port
+from posttrain.probe import free_port, tcp_problem
 from posttrain.redact import redact_text
+from posttrain.yamlfile import show
 
 LAUNCH_DIR = "launch"          # inside a stage's checkpoint run folder
 EXAMPLES_KEPT = 2000           # example digests a rank report keeps (the count is exact)
@@ -99,7 +101,7 @@ def train(config, stage: str, function: str, job: dict) -> dict:
                                      "run_id": run.info.run_id if run else None})
     cmd = command(launcher, job=str(folder / "job.json"), where=f"{stage}: launcher")
     print(f"posttrain: {stage}: training on {launcher.nodes} node(s) x {launcher.processes} process(es) "
-          f"({launcher.type})", flush=True)
+          f"({launcher.type}){awaited(launcher, stage)}", flush=True)
     code = run_streamed(cmd)
     if code != 0 or not (folder / "result.json").is_file():
         raise TrainingFailed(failure(stage, folder, code))
@@ -108,6 +110,19 @@ def train(config, stage: str, function: str, job: dict) -> dict:
         mlflow.set_tag("posttrain.launcher", f"{launcher.type} {launcher.nodes}x{launcher.processes}")
         mlflow.log_text(json.dumps(ranks, indent=1), f"{LAUNCH_DIR}/ranks.json")
     return {**read_json(folder / "result.json"), "world_size": launcher.nodes * launcher.processes}
+
+
+def awaited(launcher, stage: str) -> str:
+    """What node 0 waits for, and until when, on several nodes (else nothing)."""
+    if launcher.nodes == 1:
+        return ""
+    return (f"; waits for nodes 1..{launcher.nodes - 1} (`posttrain join --stage {stage} --node-rank N` there) "
+            f"until {clock_after(launcher.rdzv_timeout_s)} (launcher.rdzv_timeout_s)")
+
+
+def clock_after(seconds: float) -> str:
+    """The local date and time `seconds` from now: when a wait ends."""
+    return f"{datetime.datetime.now() + datetime.timedelta(seconds=seconds):%Y-%m-%d %H:%M:%S}"
 
 
 def run_streamed(cmd: list[str]) -> int:
@@ -272,8 +287,10 @@ def join(config, stage: str, node_rank: int, where: str) -> int:
         raise UserError(where, f"stage {stage} runs on one node (launcher.nodes is 1): there is nothing to join",
                         "set launcher.nodes (and type torchrun or accelerate) in the config")
     if not 1 <= node_rank < launcher.nodes:
-        raise UserError(f"{where} --node-rank", f"{node_rank} is not one of the other nodes 1..{launcher.nodes - 1}",
+        raise UserError(f"{where} --node-rank", f"{show(node_rank)} is not one of the other nodes "
+                        f"1..{launcher.nodes - 1}",
                         "node 0 is the one that runs the stage; give each other node its own rank")
+    wait_for_node0(launcher, stage, node_rank, where)
     started = time.perf_counter()
     code = run_streamed(command(launcher, node_rank=node_rank, where=where))
     print(f"posttrain: join {stage}: node {node_rank} done in {time.perf_counter() - started:.0f} s, exit {code}",

@@ -36,7 +36,7 @@ def check(path, config, *, here: bool = True) -> None:
         where = f"{path}: {config.launcher_field(stage)}"
         loaded = accelerate_config(where, launcher.accelerate_config) if launcher.accelerate_config else None
         peft = config.stage_section(stage).peft
-        if peft is not None and loaded is not None and sharded(loaded):
+        if peft is not None and loaded is not None and sharded(loaded, f"{where}.accelerate_config"):
             raise UserError(f"{where}.accelerate_config", "LoRA (`peft:`) with weights sharded over the GPUs (ZeRO-3, "
                             "FSDP) is not supported: the adapter and the merged model would be saved from shards",
                             "use infra/accelerate/zero2.yaml or ddp.yaml for a LoRA stage")
@@ -64,6 +64,10 @@ def rdzv_endpoint(launcher, where: str) -> tuple[str, str]:
     if not host or not port.isdigit():
         raise UserError(where, f"{launcher.nodes} nodes need node 0's HOST:PORT, and neither launcher.rdzv_endpoint "
                                f"nor {RDZV_ENV} gives one", f"set launcher.rdzv_endpoint or export {RDZV_ENV}=HOST:PORT")
+    if not 1 <= int(port) <= 65535:
+        source = "launcher.rdzv_endpoint" if launcher.rdzv_endpoint else RDZV_ENV
+        raise UserError(where, f"{source} names port {port[:10]}, outside 1..65535", "give node 0's HOST:PORT, e.g. "
+                        "node0.cluster:29500")
     return host, port
 
 
@@ -92,10 +96,21 @@ def distributed_type(loaded) -> str:
     return str(getattr(loaded.distributed_type, "value", loaded.distributed_type))
 
 
-def sharded(loaded) -> bool:
+def sharded(loaded, where: str) -> bool:
     """Whether an accelerate config shards the weights themselves (ZeRO-3, FSDP)."""
     kind = distributed_type(loaded)
-    return kind == "FSDP" or (kind == "DEEPSPEED" and int((loaded.deepspeed_config or {}).get("zero_stage", 0)) == 3)
+    return kind == "FSDP" or (kind == "DEEPSPEED" and zero_stage((loaded.deepspeed_config or {}).get("zero_stage"),
+                                                                 where) == 3)
+
+
+def zero_stage(value, where: str) -> int:
+    """A DeepSpeed ZeRO stage as a config gives it: 0-3 (or its digits), absent 0; a
+    `UserError` otherwise (DeepSpeed refuses it only once the ranks have started)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or str(value).strip() not in ("0", "1", "2", "3"):
+        raise UserError(where, f"zero_stage {show(value)} is not a ZeRO stage", "use 0, 1, 2 or 3")
+    return int(value)
 
 
 def launcher_problem(launcher, loaded, cuda: int) -> tuple[str, str, str] | None:
@@ -107,6 +122,11 @@ def launcher_problem(launcher, loaded, cuda: int) -> tuple[str, str, str] | None
     if cuda and launcher.type != "in_process" and launcher.processes > cuda:
         return ("processes", f"{launcher.processes} processes per node, but this machine has {cuda} CUDA GPU(s)",
                 f"set processes to at most {cuda} (one per GPU)")
+    cores = len(os.sched_getaffinity(0))
+    if not cuda and launcher.processes > cores:  # gloo ranks on shared cores: each step waits for the slowest
+        return ("processes", f"{launcher.processes} processes per node, but this machine has {cores} CPU core(s) "
+                f"and no CUDA GPU: it can run at most {cores}",
+                f"set processes to at most {cores}, or `posttrain check --elsewhere` for a GPU cluster")
     if loaded is not None and distributed_type(loaded) == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:
         return ("accelerate_config", "the accelerate config trains with DeepSpeed, which is not installed",
                 "pip install deepspeed")
