@@ -106,8 +106,7 @@ def test_scheduled_runs_queue_and_skip_unchanged_inputs(served):
     if not mlflow_uri:
         assert "#/experiments/" in summary
         return
-    assert f"{mlflow_uri.replace('http://', 'http://posttrain:***@')}/#/experiments/" in summary
-    assert "is the champion" in summary
+    assert f"{mlflow_uri}/#/experiments/" in summary and "is the champion" in summary  # credentials left out
     # the new data is a DVC version: committed .dvc file, data in the remote, rows in training
     assert "data: 1 rows from batch.jsonl" in sh("git", "log", "--format=%s", cwd=ws).stdout
     assert json.loads((ws / "metrics" / "prepare.json").read_text())["datasets_rows"] == 1
