@@ -23,12 +23,15 @@ context, allocator fragmentation), from gpus.yaml beside the config or the packa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from pathlib import Path
 
 from posttrain.errors import UserError
 from posttrain.machine import cuda_devices, training_stages
 from posttrain.memory import GIB, LINEAR_NAMES, LINEARS, Setup, optimizer_state_bytes, plan
+from posttrain.modelconfig import FIELD_FIX, LARGEST_DIMENSION, BadField
+from posttrain.yamlfile import show
 
 FIX_LORA_RANK = 16  # the adapter a fix proposes: rank 16 on every linear
 
@@ -56,7 +59,7 @@ def sharding(launcher, where: str) -> dict:
     FSDP shards as ZeRO-3 with the Trainer's states); DDP otherwise."""
     if launcher.accelerate_config is None:
         return {"zero": 0, "engine": "trainer"}
-    from posttrain.machine import accelerate_config, distributed_type
+    from posttrain.machine import accelerate_config, distributed_type, zero_stage
 
     loaded = accelerate_config(where, launcher.accelerate_config)
     kind = distributed_type(loaded)
@@ -68,7 +71,7 @@ def sharding(launcher, where: str) -> dict:
             json_config = deepspeed_json(ds["deepspeed_config_file"], f"{where}.accelerate_config")
             stage, optimizer, params = (json_config.get_value(f"zero_optimization.{key}") for key in
                                         ("stage", "offload_optimizer.device", "offload_param.device"))
-        stage = int(stage) if str(stage).isdigit() else 0
+        stage = zero_stage(stage, f"{where}.accelerate_config")
         return {"zero": stage, "engine": "deepspeed", "offload_optimizer": optimizer in ("cpu", "nvme"),
                 "offload_params": stage == 3 and params in ("cpu", "nvme")}
     if kind == "FSDP":
@@ -82,11 +85,17 @@ def deepspeed_json(file: str, where: str):
     """DeepSpeed's JSON config, through accelerate's `HfDeepSpeedConfig`."""
     from accelerate.utils.deepspeed import HfDeepSpeedConfig
 
+    if not Path(file).is_file():  # accelerate would parse the name itself as JSON; a FIFO would block the read
+        raise UserError(where, f"its deepspeed_config_file {show(file)} is not a file", "point it at DeepSpeed's "
+                        "JSON config")
     try:
         return HfDeepSpeedConfig(file)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:
         raise UserError(where, f"cannot read its deepspeed_config_file {file}: {type(err).__name__}",
                         "point it at DeepSpeed's JSON config") from None
+    except (AttributeError, TypeError):  # accelerate walks it as nested objects
+        raise UserError(where, f"its deepspeed_config_file {file} is JSON, but not an object of DeepSpeed's options "
+                        "(zero_optimization: {stage: ...})", "point it at DeepSpeed's JSON config") from None
 
 
 def trl_default(cls_name: str, key: str):
@@ -136,6 +145,19 @@ def saved_modules(model: dict, peft: dict) -> int:
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": None}
+# The trl: counts the plan multiplies: TRL takes any integer, and 10^400 would overflow the plan's floats.
+PLANNED_COUNTS = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "max_completion_length",
+                  "generation_batch_size", "steps_per_generation")
+
+
+def trl_option(trl: dict, cls_name: str, key: str, *, where: str):
+    """Option `key` of a stage's `trl:` block, TRL's default where it is silent; a count the
+    plan multiplies beyond LARGEST_DIMENSION is a `UserError` at `where.key`."""
+    value = trl[key] if key in trl else trl_default(cls_name, key)
+    if key in PLANNED_COUNTS and isinstance(value, int) and value > LARGEST_DIMENSION:
+        raise UserError(f"{where}.{key}", f"{show(value)} is more than any training step holds (at most "
+                        f"{LARGEST_DIMENSION:,})", "give the count the stage needs")
+    return value
 
 
 def stage_setup(config, stage: str, *, prompt_chars: int, gpu: bool, where: str) -> Setup:
@@ -155,7 +177,7 @@ def stage_setup(config, stage: str, *, prompt_chars: int, gpu: bool, where: str)
         trl_schema(getattr(trl_package, cls)).model_validate(trl)
     except ValidationError as err:
         raise schema_error(file, err, (*field.split("."), "trl")) from None
-    option = lambda key: trl[key] if key in trl else trl_default(cls, key)  # noqa: E731
+    option = functools.partial(trl_option, trl, cls, where=f"{file}: {field}.trl")
     launcher = config.stage_launcher(stage)
     model = model_config(config)
     mixed = bool(option("fp16")) or (trl.get("bf16", True) is not False if gpu else bool(trl.get("bf16")))
@@ -216,6 +238,10 @@ def stage_plan(config, stage: str, *, config_path: str | Path, prompt_chars: int
               "fits": None, "fix": None, "fix_total_bytes": None}
     try:
         figures = plan(model, dataclasses.replace(setup, gpu_bytes=gpu_bytes)).as_dict()
+    except BadField as err:  # a decoder that could not load either (10^30 layers): refused, GPU or not
+        if config.model.path is None:
+            raise UserError(f"{path}: model.tiny", str(err), "give the tiny model a smaller shape") from None
+        raise UserError(f"{path}: model.path", f"{Path(config.model.path) / 'config.json'}: {err}", FIELD_FIX) from None
     except (KeyError, ValueError, TypeError) as err:
         reason = f"no {err}" if isinstance(err, KeyError) else str(err)[:200]
         if limit:

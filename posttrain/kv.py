@@ -13,9 +13,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from posttrain.modelconfig import GIB, head_counts, load_config_json, positive, text_config  # noqa: F401 (re-exported)
+from posttrain.modelconfig import LARGEST_DIMENSION, count
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
 ATTENTION_LAYERS = {"full_attention", "attention", "sliding_attention", "chunked_attention"}
+SAFETENSORS_HEADER_MAX_BYTES = 100_000_000  # safetensors' MAX_HEADER_SIZE
 
 
 @dataclass(frozen=True)
@@ -91,17 +93,18 @@ def kv_spec(config: dict, *, tp: int = 1, kv_dtype: str = "auto") -> KVSpec:
 def estimate_params(config: dict) -> int:
     """Parameters of a decoder-only transformer from its config, for when no weights are
     at hand: embeddings (tied or not), attention and gated MLP (or MoE experts) per layer.
-    An estimate: norms and biases are left out (well under 1% for public models)."""
+    An estimate: norms and biases are left out (well under 1% for public models). ValueError
+    naming a field that is not a whole number in range (`positive`)."""
     cfg = text_config(config)
-    hidden, layers, heads = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    hidden, layers = positive(cfg, "hidden_size"), positive(cfg, "num_hidden_layers")
+    heads, kv_heads = head_counts(cfg)
+    head_dim = positive(cfg, "head_dim", hidden // heads)
     attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
-    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
-    dense_mlp = 3 * hidden * int(cfg.get("intermediate_size") or 4 * hidden)
-    mlp = dense_mlp if not experts else 3 * hidden * int(cfg.get("moe_intermediate_size") or 0) * experts \
-        + dense_mlp * int(cfg.get("n_shared_experts") or 0)
-    embeddings = int(cfg.get("vocab_size") or 0) * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+    experts = count(cfg, "n_routed_experts") or count(cfg, "num_local_experts") or count(cfg, "num_experts")
+    dense_mlp = 3 * hidden * (count(cfg, "intermediate_size") or 4 * hidden)
+    mlp = dense_mlp if not experts else 3 * hidden * count(cfg, "moe_intermediate_size") * experts \
+        + dense_mlp * count(cfg, "n_shared_experts")
+    embeddings = count(cfg, "vocab_size") * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
     return embeddings + layers * (attention + mlp)
 
 
@@ -113,12 +116,26 @@ def weight_bytes(model_dir: str | Path, config: dict) -> int:
     elements = 0
     for file in Path(model_dir).glob("*.safetensors"):
         try:
-            with open(file, "rb") as fh:
-                header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
-            elements += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
-        except (struct.error, ValueError, KeyError, TypeError, AttributeError, MemoryError) as err:
+            elements += header_elements(file)
+        except (struct.error, ValueError, KeyError, TypeError, AttributeError, MemoryError, RecursionError) as err:
             raise ValueError(f"{file.name} has no readable safetensors header ({type(err).__name__})") from None
     return (elements or estimate_params(config)) * dtype_bytes
+
+
+def header_elements(file: Path) -> int:
+    """The elements of every tensor a safetensors file's header declares: at most
+    SAFETENSORS_HEADER_MAX_BYTES of header (safetensors' own limit) and of dimensions in
+    0..LARGEST_DIMENSION each (a hostile header could declare 10^400 elements)."""
+    with open(file, "rb") as fh:
+        size = struct.unpack("<Q", fh.read(8))[0]
+        if size > SAFETENSORS_HEADER_MAX_BYTES:
+            raise ValueError(f"a {size:,}-byte header")
+        header = json.loads(fh.read(size))
+    shapes = [t["shape"] for k, t in header.items() if k != "__metadata__"]
+    if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= LARGEST_DIMENSION
+               for shape in shapes for d in shape):
+        raise ValueError("a dimension that is not a count")
+    return sum(math.prod(shape) for shape in shapes)
 
 
 def kv_memory_for(model_dir: str | Path, config: dict, *, profile: dict | None = None, utilization: float = 0.92,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from posttrain.errors import UserError
 from posttrain.kv import GIB, capacity, kv_memory_for, kv_spec, load_config_json, tp_fits, tp_sizes
+from posttrain.modelconfig import BadField, field_refused
 from posttrain.profiles import load_gpu_profile
 
 LARGEST = 2**40  # bound on every count and size: no model or GPU comes near, and the arithmetic stays exact
@@ -38,6 +39,8 @@ def _read_model_config(model: str, tp: int) -> dict:
     try:
         config = load_config_json(model)
         kv_spec(config)
+    except BadField as err:
+        raise field_refused(model, err) from None
     except (KeyError, ValueError, TypeError, ArithmeticError, OSError) as err:
         detail = f"no {err}" if isinstance(err, KeyError) else str(err)[:200]
         raise UserError(model, f"config lacks a usable value the estimate needs ({detail})",
@@ -64,6 +67,8 @@ def report(model: str, *, gpu: str, gpus: str, kv_memory_gib: float | None, gpu_
         spec, weights, kv_memory = kv_memory_for(model_dir, config, profile=profile, tp=tp,
                                                  utilization=gpu_memory_utilization, kv_dtype=kv_dtype,
                                                  kv_memory_bytes=kv_memory)
+    except BadField as err:  # read only to estimate the weights where the folder has none
+        raise field_refused(model, err) from None
     except (KeyError, ValueError, TypeError, ArithmeticError) as err:
         raise UserError(str(model_dir), f"weights' size not computable ({str(err)[:200]})",
                         "pass a folder with a decoder model's config.json and safetensors files") from None

@@ -29,9 +29,11 @@ cache); bench/training_memory.py measures the whole against real TRL steps on th
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
-from posttrain.modelconfig import GIB, head_counts, positive, text_config
+from posttrain.modelconfig import GIB, LARGEST_DIMENSION, BadField, field_refused, head_counts, positive, text_config
+from posttrain.yamlfile import show
 
 DECODERS = {"llama", "mistral", "qwen2", "qwen3"}  # dense decoders: gate/up/down MLP, GQA attention
 ADAM_STATES = 8      # bytes per trained parameter: Adam's two fp32 moments
@@ -339,6 +341,30 @@ def gradients_held(setup: Setup) -> bool:
     return setup.accumulation > 1 or engine(setup) == "deepspeed" or setup.gpus * setup.nodes > 1
 
 
+MOST_GPUS_PER_NODE = MOST_NODES = 1024  # as launcher.processes, launcher.nodes and training.num_gpus allow
+
+
+def check_ranges(setup: Setup, where: str) -> None:
+    """`posttrain memory`'s numbers within what a training job can be: a `UserError` naming
+    the flag and its range otherwise (a 400-digit --seq would overflow the float
+    arithmetic; --beta inf, NaN or a billion GPUs per node would print nonsense)."""
+    from posttrain.errors import UserError
+
+    completion = setup.seq if setup.completion is None else setup.completion
+    ranges = [("--gpus", setup.gpus, 1, MOST_GPUS_PER_NODE), ("--nodes", setup.nodes, 1, MOST_NODES),
+              ("--batch", setup.batch, 1, LARGEST_DIMENSION), ("--seq", setup.seq, 1, LARGEST_DIMENSION),
+              ("--completion", completion, 1, setup.seq), ("--lora-rank", setup.lora_rank, 0, LARGEST_DIMENSION)]
+    for flag, value, low, high in ranges:
+        if not low <= value <= high:
+            limit = " (at most --seq)" if flag == "--completion" else ""
+            raise UserError(f"{where} {flag}", f"out of range: {show(value)} is not a whole number from {low:,} to "
+                            f"{high:,}", f"pass one in that range{limit}")
+    for flag, value, high, what in [("--beta", setup.beta, math.inf, "a finite number >= 0"),
+                                    ("--vllm-share", setup.vllm_share, 1, "a fraction from 0 up to (not including) 1")]:
+        if not 0 <= value < high:  # NaN fails every comparison
+            raise UserError(f"{where} {flag}", f"out of range: {show(value)}", f"pass {what}")
+
+
 def report(model: str, setup: Setup, *, gpu: str | None, gpus_file: str) -> dict:
     """`posttrain memory`'s figures for a model folder (or config.json): the plan, and with
     a GPU profile its memory and whether the plan fits. Bad input is a `UserError` naming
@@ -348,14 +374,7 @@ def report(model: str, setup: Setup, *, gpu: str | None, gpus_file: str) -> dict
     from posttrain.profiles import load_gpu_profile
 
     where = "posttrain memory"
-    checks = [("--gpus", setup.gpus >= 1), ("--nodes", setup.nodes >= 1), ("--batch", setup.batch >= 1),
-              ("--seq", setup.seq >= 1), ("--lora-rank", setup.lora_rank >= 0), ("--beta", setup.beta >= 0),
-              ("--completion", setup.completion is None or 1 <= setup.completion <= setup.seq),
-              ("--vllm-share", 0 <= setup.vllm_share < 1)]
-    for flag, good in checks:
-        if not good:
-            raise UserError(f"{where} {flag}", "out of range", "see 'posttrain memory --help' (counts are whole "
-                            "numbers >= 1, the completion at most --seq, --vllm-share a fraction below 1)")
+    check_ranges(setup, where)
     if setup.offload_params and setup.zero != 3:
         raise UserError(f"{where} --offload-params", "only ZeRO-3 shards and offloads the weights", "add --zero 3")
     if setup.vllm_share and not gpu:
@@ -366,6 +385,8 @@ def report(model: str, setup: Setup, *, gpu: str | None, gpus_file: str) -> dict
         figures = plan(config, Setup(**{**asdict(setup), "gpu_bytes": gpu_bytes})).as_dict()
     except FileNotFoundError:
         raise UserError(model, "no config.json found", "pass a model folder or a config.json path") from None
+    except BadField as err:
+        raise field_refused(model, err) from None
     except (KeyError, ValueError, TypeError) as err:
         detail = f"no {err}" if isinstance(err, KeyError) else str(err)[:240]
         raise UserError(model, f"cannot plan this model ({detail})", "pass a dense decoder's config.json") from None
