@@ -31,7 +31,10 @@ STAGES = ("prepare", "sft", "grpo", "serving", "evaluate")
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (argparse prints usage too)
-        raise UserError(self.prog, message, f"see '{self.prog} --help'")
+        from posttrain.yamlfile import SHOWN_CHARS
+
+        cut = message if len(message) <= 3 * SHOWN_CHARS else f"{message[:3 * SHOWN_CHARS]}..."  # a 5,000-digit value
+        raise UserError(self.prog, cut, f"see '{self.prog} --help'")
 
 
 def build_parser(add_commands=None) -> argparse.ArgumentParser:
@@ -370,7 +373,13 @@ def main(argv: list[str] | None = None, *, parser: argparse.ArgumentParser | Non
         os.environ.setdefault(key, value)
     guard_standard_streams()  # libraries print tracking URIs, passwords included (MLflow's "View run")
     try:
-        return dispatch((parser or build_parser()).parse_args(argv))
+        code = dispatch((parser or build_parser()).parse_args(argv))
+        sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's flush at exit
+        return code
+    except BrokenPipeError:
+        if not reader_gone():
+            raise
+        return quiet_after_reader_gone()
     except UserError as err:
         return refuse("error", err, 2)
     except GateFailure as err:
@@ -379,6 +388,29 @@ def main(argv: list[str] | None = None, *, parser: argparse.ArgumentParser | Non
         return refuse("replay failed", err, 4)
     except TrainingFailed as err:
         return refuse("training failed", err, 1)
+
+
+def reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader closed it (`posttrain memory ... | head -1`), as
+    opposed to a broken socket of a server's (which stays an error)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):  # no file descriptor (a test's StringIO)
+        return False
+
+
+def quiet_after_reader_gone() -> int:
+    """End as `cat` does when its reader leaves: no traceback, exit 128 + SIGPIPE. stdout goes
+    to /dev/null first, so the interpreter's flush at exit finds nothing to fail on (the
+    Python docs' recipe, signal module, "Note on SIGPIPE")."""
+    import signal
+
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 def refuse(kind: str, err: Exception, code: int) -> int:
