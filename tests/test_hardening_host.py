@@ -16,6 +16,7 @@ import os
 import secrets
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import urllib.error
@@ -324,15 +325,19 @@ def test_the_tests_keep_every_library_home_in_a_temporary_folder():
         assert not where or str(TEST_HOME) in where, f"{what}: {where}"
 
 
-def test_a_flow_run_of_the_tests_leaves_the_users_prefect_home_untouched():
-    real = Path.home() / ".prefect"
+def flows_in(database: Path) -> set[str]:
+    """The flow names a Prefect database holds (read only: it may be the user's own)."""
+    if not database.is_file():
+        return set()
+    with closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as db:
+        return {name for (name,) in db.execute("SELECT name FROM flow")}
 
-    def snapshot() -> list:
-        return sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in real.rglob("*")) if real.exists() else []
 
-    before = snapshot()
-    done = subprocess.run([sys.executable, "-c", "from prefect import flow; flow(name='test-home')(lambda: 1)()"],
+def test_a_flow_run_of_the_tests_lands_in_the_temporary_home_not_the_users():
+    """By what the run wrote, not by the user's files (the user may run Prefect meanwhile)."""
+    name = f"posttrain-test-home-{secrets.token_hex(6)}"
+    done = subprocess.run([sys.executable, "-c", f"from prefect import flow; flow(name={name!r})(lambda: 1)()"],
                           capture_output=True, text=True, timeout=HANG_GUARD)
     assert done.returncode == 0, done.stderr
-    assert snapshot() == before
-    assert (TEST_HOME / "prefect" / "prefect.db").is_file()
+    assert name in flows_in(TEST_HOME / "prefect" / "prefect.db")
+    assert name not in flows_in(Path.home() / ".prefect" / "prefect.db")
