@@ -15,7 +15,8 @@ from urllib.parse import unquote, urlsplit
 _USERINFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/:@]*):[^\s/]*@")
 # Variables whose whole value is a secret.
 SECRET_VARIABLES = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                    "PGPASSWORD", "PREFECT_API_KEY", "HF_TOKEN", "DATABRICKS_TOKEN", "AZURE_STORAGE_ACCESS_KEY")
+                    "PGPASSWORD", "PREFECT_API_KEY", "PREFECT_API_AUTH_STRING", "PREFECT_SERVER_API_AUTH_STRING",
+                    "HF_TOKEN", "DATABRICKS_TOKEN", "AZURE_STORAGE_ACCESS_KEY")
 # Variables holding a URI whose password is a secret wherever it appears, even decoded.
 URI_VARIABLES = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "PREFECT_API_URL", "PREFECT_API_DATABASE_CONNECTION_URL",
                  "DATABASE_URL")
