@@ -25,6 +25,7 @@ from urllib.parse import parse_qs, urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from posttrain.errors import OptionError, UserError, invalid
+from posttrain.modelconfig import LARGEST_DIMENSION
 from posttrain.yamlfile import SHOWN_CHARS, read_text, read_yaml, schema_error, show
 
 STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -48,12 +49,12 @@ class Section(BaseModel):
 
 class TinyModel(Section):
     """Shape of the locally built tiny Llama (used when `model.path` is null)."""
-    hidden_size: int = Field(128, gt=0, description="Width of the residual stream.")
-    num_layers: int = Field(4, gt=0, description="Decoder layers.")
-    num_heads: int = Field(4, gt=0, description="Query heads; must divide hidden_size.")
-    num_kv_heads: int = Field(2, gt=0, description="Key/value heads (GQA); must divide num_heads.")
-    intermediate_size: int = Field(512, gt=0, description="MLP width.")
-    max_positions: int = Field(64, gt=0, description="Longest sequence in tokens.")
+    hidden_size: int = Field(128, gt=0, le=LARGEST_DIMENSION, description="Width of the residual stream.")
+    num_layers: int = Field(4, gt=0, le=LARGEST_DIMENSION, description="Decoder layers.")
+    num_heads: int = Field(4, gt=0, le=LARGEST_DIMENSION, description="Query heads; must divide hidden_size.")
+    num_kv_heads: int = Field(2, gt=0, le=LARGEST_DIMENSION, description="Key/value heads (GQA); must divide num_heads.")
+    intermediate_size: int = Field(512, gt=0, le=LARGEST_DIMENSION, description="MLP width.")
+    max_positions: int = Field(64, gt=0, le=LARGEST_DIMENSION, description="Longest sequence in tokens.")
 
 
 class ModelSection(Section):
@@ -814,4 +815,6 @@ def trl_schema(cls) -> type[BaseModel]:
     hints = typing.get_type_hints(cls)
     fields = {f.name: (Annotated[_plain(hints[f.name]), Field(**TRL_BOUNDS.get(f.name, {}))] | None, None)
               for f in dataclasses.fields(cls) if f.init}
-    return create_model(f"{cls.__name__}Options", __config__=ConfigDict(strict=True, extra="allow"), **fields)
+    # no inf or nan: `beta: .inf` is valid YAML and a valid float, and no TRL option means it
+    return create_model(f"{cls.__name__}Options", __config__=ConfigDict(strict=True, extra="allow", allow_inf_nan=False),
+                        **fields)

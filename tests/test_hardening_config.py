@@ -61,6 +61,9 @@ CASES = [
     (50_000_000, ["50,000,000 bytes", "limit"]),                                                   # a 50 MB file
     (b"seed: " + b"[" * 5000 + b"]" * 5000, ["nested too deeply"]),                                # deep nesting
     ("x" * 1000 + ": 1", ["unknown key"]),                                                         # a long key, not echoed
+    ("grpo: {dense: {trl: {beta: .inf}}}", ["grpo.dense.trl.beta", "finite"]),                    # issue 25: accepted
+    ("sft: {trl: {max_grad_norm: .nan}}", ["sft.trl.max_grad_norm", "finite"]),                    # nan, not a bound
+    ("model: {tiny: {num_layers: 1000000000000}}", ["model.tiny.num_layers", "16777216"]),         # 10**12 layers
     ("data: {env: sql, options: {operand_max: null, ops: null, heldout_size: 150, db_dir: '{tmp}/afile/db'}}",
      ["data.options.db_dir", "writable folder"]),                                                  # db_dir under a file
 ]
