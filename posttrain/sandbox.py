@@ -71,7 +71,7 @@ def run_query(db_path: str | Path, sql: str, *, timeout_s: float = 1.0, max_rows
     if len(sql) > MAX_SQL_CHARS:
         raise QueryError(f"query longer than {MAX_SQL_CHARS} characters")
     request = (os.path.abspath(db_path), sql, timeout_s, max_rows)
-    kind, value = _WORKER.call(request, deadline_s=timeout_s + KILL_GRACE_S)
+    kind, value = _WORKER.call(request, deadline_s=timeout_s + KILL_GRACE_S, limit_s=timeout_s)
     if kind == "error":
         raise QueryError(value)
     return value
@@ -149,25 +149,32 @@ def _open(db_path: str, timeout_s: float) -> sqlite3.Connection:
     return conn
 
 
-class _Worker:
+class Worker:
     """The worker process of the calling process: started on first use, killed when a
-    query overruns its deadline, started afresh by the next call. Calls are serialised."""
+    request overruns its deadline, started afresh by the next call. Calls are serialised.
 
-    def __init__(self) -> None:
+    `argv` starts it with the read end of a pipe as its last argument; it sends "ready",
+    then answers each pickled request with one pickled reply. posttrain.envs.mathverify
+    runs math-verify in one too."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self._argv = argv
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
 
-    def call(self, request: tuple, *, deadline_s: float) -> tuple[str, object]:
+    def call(self, request: tuple, *, deadline_s: float, limit_s: float) -> tuple[str, object]:
+        """The worker's reply, or ("error", why) when it ran past `deadline_s` (the time
+        limit `limit_s` plus a grace) or died."""
         with self._lock:
             conn = self._ready()
             try:
                 conn.send(request)
                 if conn.poll(deadline_s):
                     return pickle.loads(conn.recv_bytes(MAX_REPLY_BYTES))
-                reason = f"timed out after {request[2]}s"
+                reason = f"timed out after {limit_s}s"
             except (EOFError, OSError) as err:
-                reason = f"sandbox worker died: {err or type(err).__name__}"
+                reason = f"worker died: {err or type(err).__name__}"
             self._kill()
             return "error", reason
 
@@ -179,15 +186,14 @@ class _Worker:
 
     def _start(self) -> None:
         ours, theirs = Pipe()
-        # -I -S: stdlib only; neither the environment, the current folder nor site-packages
-        self._proc = subprocess.Popen([sys.executable, "-I", "-S", __file__, str(theirs.fileno())],
+        self._proc = subprocess.Popen([*self._argv, str(theirs.fileno())],
                                       pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         theirs.close()
         self._conn = ours
         if not ours.poll(WORKER_START_S) or ours.recv() != "ready":
             self._kill()
-            raise RuntimeError(f"the SQL sandbox worker ({sys.executable} {__file__}) did not start")
+            raise RuntimeError(f"the worker ({' '.join(self._argv)}) did not start")
 
     def _kill(self) -> None:
         if self._proc is not None:
@@ -221,6 +227,19 @@ def _serve(fd: int) -> None:
     with sqlite3.connect(":memory:") as conn:
         conn.execute(f"PRAGMA hard_heap_limit = {WORKER_HEAP_BYTES}")
     conn.close()
+    serve(fd, _reply)
+
+
+def _reply(request: tuple) -> tuple:
+    try:
+        return "rows", _execute(*request)
+    except QueryError as err:
+        return "error", str(err)
+
+
+def serve(fd: int, reply) -> None:
+    """A worker's loop (`Worker`): "ready", then `reply(request)` for each request, pickled,
+    until the caller goes."""
     channel = Connection(fd)
     channel.send("ready")
     while True:
@@ -228,12 +247,7 @@ def _serve(fd: int) -> None:
             request = channel.recv()
         except EOFError:
             return
-        try:
-            reply = ("rows", _execute(*request))
-        except QueryError as err:
-            reply = ("error", str(err))
-        data = _pickled(reply)
-        channel.send_bytes(data)
+        channel.send_bytes(_pickled(reply(request)))
 
 
 def _pickled(reply: tuple) -> bytes:
@@ -246,7 +260,8 @@ def _pickled(reply: tuple) -> bytes:
     return data
 
 
-_WORKER = _Worker()
+# -I -S: stdlib only; neither the environment, the current folder nor site-packages
+_WORKER = Worker([sys.executable, "-I", "-S", __file__])
 atexit.register(_WORKER.close)
 os.register_at_fork(after_in_child=_WORKER.forget)
 
