@@ -31,13 +31,13 @@ import time
 from pathlib import Path
 
 from posttrain.errors import UserError
+from posttrain.files import MAX_LINE_BYTES, first_clause, json_lines
 from posttrain.workspace import commit, run_checked
 
 INCOMING = "incoming"
 DATASETS = "datasets"
 SHOWN_ERRORS = 5
 SHOWN_CHARS = 200     # of one reason or name in an error line
-MAX_LINE_BYTES = 2**20  # one row; a longer line is refused unparsed
 
 
 def check_row(env, row, heldout: set[str]) -> str | None:
@@ -58,7 +58,7 @@ def check_row(env, row, heldout: set[str]) -> str | None:
         own_check = getattr(env, "check_row", None)
         return own_check(row) if own_check else None
     except ValueError as err:  # int() of a 5000-digit string: past Python's int-string limit
-        return f"the {env.name} environment cannot read this row ({_first_clause(err)})"
+        return f"the {env.name} environment cannot read this row ({first_clause(err)})"
 
 
 def read_batch(path: Path, env, heldout: set[str]) -> tuple[list[dict], list[str]]:
@@ -66,7 +66,7 @@ def read_batch(path: Path, env, heldout: set[str]) -> tuple[list[dict], list[str
 
     Opened without following a link or blocking, and read only if it is a regular file:
     a FIFO swapped in after `pending` looked would otherwise hang the run (which holds the
-    workspace lock). Lines are read one at a time, each at most MAX_LINE_BYTES.
+    workspace lock). Lines are read one at a time, each at most posttrain.files.MAX_LINE_BYTES.
     """
     rows, errors = [], []
     try:
@@ -76,8 +76,7 @@ def read_batch(path: Path, env, heldout: set[str]) -> tuple[list[dict], list[str
     with os.fdopen(fd, "rb") as fh:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return [], [f"{_shown(path)}: not a regular file"]
-        for number, raw in _lines(fh):
-            row, problem = _parse(raw)
+        for number, row, problem in json_lines(fh):
             problem = problem or check_row(env, row, heldout)
             if problem:
                 errors.append(f"{_shown(path)}:{number}: {_shown(problem, SHOWN_CHARS)}")
@@ -87,36 +86,6 @@ def read_batch(path: Path, env, heldout: set[str]) -> tuple[list[dict], list[str
     if not rows and not errors:
         errors.append(f"{_shown(path)}: empty file")
     return rows, errors
-
-
-def _lines(fh):
-    """(line number, bytes) of each non-blank line; bytes is None for a line over
-    MAX_LINE_BYTES, which is skipped rather than held in memory."""
-    number = 0
-    while raw := fh.readline(MAX_LINE_BYTES + 1):
-        number += 1
-        if len(raw) > MAX_LINE_BYTES:
-            while raw and not raw.endswith(b"\n"):
-                raw = fh.readline(MAX_LINE_BYTES + 1)
-            yield number, None
-        elif raw.strip():
-            yield number, raw
-
-
-def _parse(raw: bytes | None):
-    """(row, None) for a line of UTF-8 JSON, else (None, why not)."""
-    if raw is None:
-        return None, f"line longer than {MAX_LINE_BYTES // 2**20} MiB, not parsed"
-    try:
-        return json.loads(raw.decode("utf-8")), None
-    except UnicodeDecodeError as err:
-        return None, f"not UTF-8 text (byte {err.start} of the line)"
-    except json.JSONDecodeError as err:
-        return None, f"not JSON ({err.msg})"
-    except ValueError as err:  # a number of 5000 digits: past Python's int-string limit
-        return None, f"not JSON this reader accepts ({_first_clause(err)})"
-    except RecursionError:
-        return None, "not JSON this reader accepts (nested too deeply)"
 
 
 def pending(workdir: str | Path) -> list[Path]:
@@ -179,11 +148,6 @@ def _shown(text, limit: int | None = None) -> str:
     if limit is None or len(text) <= limit:
         return escaped(text)
     return f"{escaped(text[:half])}...({len(text) - 2 * half} chars)...{escaped(text[-half:])}"
-
-
-def _first_clause(err: Exception) -> str:
-    """The error's own words up to the first colon: Python's advice after it is for programmers."""
-    return str(err).split(":")[0]
 
 
 def validate(workdir: str | Path, env, heldout: set[str]) -> dict[Path, list[dict]]:
@@ -282,4 +246,5 @@ def extra_rows(datasets_dir: str | Path) -> list[dict]:
     return [row for path in versioned for row in read_jsonl(path)]
 
 
-__all__ = ["INCOMING", "DATASETS", "check_row", "read_batch", "validate", "version_incoming", "extra_rows"]
+__all__ = ["INCOMING", "DATASETS", "MAX_LINE_BYTES", "check_row", "read_batch", "validate", "version_incoming",
+           "extra_rows"]
