@@ -141,11 +141,12 @@ def check_format_contract(env, rows: list[dict], *, where: str, threshold: float
     """Every SFT target must parse and verify: SFT teaches the format the reward reads.
 
     Returns the share of targets that verify; raises `UserError` (before any training)
-    when it is below `threshold`, showing one failing target and what the parser made of it.
+    when it is below `threshold`, showing one failing target and what the parser made of it,
+    and at the first target a time limit cut (`within_limits`): the check ends there.
     """
     from posttrain.errors import UserError
 
-    failing = [r for r in rows if not env.verify(r["completion"], r["answer"])]
+    failing = [r for i, r in enumerate(rows) if not within_limits(env, r, f"{where} row {i + 1}")]
     share = 1 - len(failing) / max(1, len(rows))
     if share < threshold:
         examples = "; ".join(f"target {r['completion'][:60]!r} parses as {str(env.parse(r['completion']))[:40]!r}, "
@@ -155,3 +156,54 @@ def check_format_contract(env, rows: list[dict], *, where: str, threshold: float
                         "make the SFT completions use the answer format the parser reads "
                         "(or fix the environment's parser)")
     return share
+
+
+def within_limits(env, row: dict, where: str) -> bool:
+    """Whether the row's SFT target verifies; `UserError` when a time limit cut it: a user
+    pattern over its limit on the target (the environment's `check_target`), or the verifier
+    (math-verify) over its own. Such a target would be judged by the clock, not the rule."""
+    from posttrain.errors import OptionError, UserError
+
+    check_target = getattr(env, "check_target", None)
+    try:
+        if check_target is not None:
+            check_target(row["completion"], row["answer"], where)
+    except OptionError as err:
+        raise UserError(f"data.options.{err.option}", err.problem, err.fix) from None
+    before = timeouts_total(env)
+    verified = env.verify(row["completion"], row["answer"])
+    if timeouts_total(env) > before:
+        raise UserError(where, f"verifying the SFT target {row['completion'][:60]!r} ran past the {env.name} "
+                        "environment's time limit", "shorten or simplify that target (a huge or deeply nested "
+                        "expression), or drop the row")
+    return verified
+
+
+def timeouts_total(env) -> int:
+    """How many matches the environment cut at a time limit (`timeout_counts`, the dataset
+    environment's), 0 for one that keeps no count."""
+    counts = getattr(env, "timeout_counts", None)
+    return sum(counts().values()) if counts else 0
+
+
+def add_timeout_counts(metrics: dict, env) -> dict:
+    """`metrics` with the environment's counts of matches cut at a time limit added
+    (`pattern_timeouts`, `math_timeouts`): a stage sums its processes' environments."""
+    counts = getattr(env, "timeout_counts", None)
+    for name, count in (counts() if counts else {}).items():
+        metrics[name] = metrics.get(name, 0.0) + float(count)
+    return metrics
+
+
+def report_timeouts(stage: str, metrics: dict) -> None:
+    """A warning line in the stage's log and an MLflow tag when a time limit cut any match."""
+    patterns, maths = int(metrics.get("pattern_timeouts", 0)), int(metrics.get("math_timeouts", 0))
+    if not patterns and not maths:
+        return
+    import mlflow
+
+    warning = (f"{patterns} pattern match(es) and {maths} math-verify call(s) ran past their time limits and scored "
+               "the completion unparseable (pattern_timeouts, math_timeouts); simplify data.options.answer_pattern / "
+               "format_pattern (no nested repeats such as (a+)+) if the patterns are the cause")
+    print(f"posttrain: WARNING: {stage}: {warning}", flush=True)
+    mlflow.set_tag("posttrain.warning.timeouts", warning)

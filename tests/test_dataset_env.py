@@ -66,7 +66,7 @@ OPTIONS = {"train": "custom/train.jsonl", "heldout": "custom/heldout.jsonl", "ve
     ("exact", {"answer_pattern": "<answer>(.*?)</answer>"}, "<think>hm</think><answer>42</answer>", "42", True),
     ("exact", {"answer_pattern": "<answer>(.*?)</answer>"}, "42", "42", False),  # the format is the contract
     ("numeric", {}, "1e999", "2e999", False),                      # not finite: not a number
-    ("regex", {}, "1" * 40 + "x", r"(\d+,?)+$", False),           # catastrophic backtracking: cut at 1 s
+    ("regex", {}, "1" * 40 + "x", r"(\d+,?)+$", False),           # catastrophic backtracking: cut at 0.1 s
 ])
 def test_verifiers(project, verifier, extra, completion, answer, right):
     env = get_env("dataset", **{**OPTIONS, "verifier": verifier, **extra})

@@ -17,7 +17,7 @@ from posttrain import checkpoints, fit, launch
 from posttrain.chat import grpo_rows
 from posttrain.config import build_trl_config, grpo_trl_options
 from posttrain.envs import get_env
-from posttrain.evaluation import pass_rates
+from posttrain.evaluation import add_timeout_counts, pass_rates, report_timeouts
 from posttrain.files import read_jsonl, write_json
 from posttrain.layout import PARAMS_FILE, read_card, write_card
 from posttrain.lineage import log_datasets
@@ -68,6 +68,7 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
         write_card(out_dir, card)
         checkpoints.clear(checkpoint_dir)
         metrics.update(gate_metrics(candidate, decision, config.gate.k))
+        add_timeout_counts(metrics, env)  # the filter's and the gate's, beside training's
         record(name, metrics, decision, curve, metrics_path, curve_path)
     return metrics
 
@@ -105,7 +106,8 @@ def train_job(config, job: dict) -> dict:
 
     name, init_dir, run_dir = job["name"], job["init_dir"], job["run_dir"]
     stage = config.grpo[name]
-    funcs, _ = build_rewards(get_env(config.data.env, **config.data.options), stage.rewards, stage.guardrails)
+    env = get_env(config.data.env, **config.data.options)
+    funcs, _ = build_rewards(env, stage.rewards, stage.guardrails)
     args = build_trl_config(f"grpo.{name}.trl", GRPOConfig, {"seed": config.seed, **grpo_trl_options(stage)},
                             output_dir=run_dir, report_to=[], run_name=name)
     dataset = Dataset.from_list(grpo_rows(job["rows"]))
@@ -123,7 +125,7 @@ def train_job(config, job: dict) -> dict:
     summary = {"train_seconds": seconds, "steps": float(trainer.state.global_step), "resumed_from_step": float(resumed),
                "reward_first": logs[0]["reward"] if logs else 0.0, "reward_last": logs[-1]["reward"] if logs else 0.0,
                "frac_reward_zero_std_mean": sum(zero_std) / len(zero_std), "frac_reward_zero_std_last": zero_std[-1]}
-    return {"curve": curve, "metrics": summary}
+    return {"curve": curve, "metrics": add_timeout_counts(summary, env)}  # the rewards' matches cut at a limit
 
 
 def gate_metrics(candidate: dict, decision, k: int) -> dict:
@@ -142,6 +144,7 @@ def record(name, metrics, decision, curve, metrics_path, curve_path) -> None:
                    "(no gradient); widen the pass-rate band, add a denser reward channel, or change temperature")
         print(f"posttrain: WARNING: {warning}", flush=True)
         tags["posttrain.warning.zero_std"] = warning
+    report_timeouts(f"stage {name}", metrics)
     print(f"posttrain: gate {tags['posttrain.gate']} stage {name}: {decision.reason}", flush=True)
     mlflow.set_tags(tags)
     write_json(metrics_path, metrics)

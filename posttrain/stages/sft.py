@@ -20,7 +20,7 @@ from posttrain import checkpoints, fit, launch
 from posttrain.chat import sft_rows
 from posttrain.config import build_trl_config
 from posttrain.envs import get_env
-from posttrain.evaluation import check_format_contract
+from posttrain.evaluation import add_timeout_counts, check_format_contract, report_timeouts
 from posttrain.files import read_jsonl, write_json
 from posttrain.layout import PARAMS_FILE, resolve_model_dir, write_card
 from posttrain.lineage import log_datasets
@@ -61,6 +61,7 @@ def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: 
                    "format_contract": contract,
                    **stop_metrics(config, curve, trained["steps"], trained["measuring"]),
                    **gate_figures(evaluation, config.gate.k)}
+        report_timeouts("stage sft", add_timeout_counts(metrics, env))  # the gate's matches cut at a limit
         mlflow.log_metrics({f"stage.{k}": v for k, v in flatten(metrics).items()})
         write_json(metrics_path, metrics)
         write_json(curve_path, curve)
