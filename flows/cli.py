@@ -92,11 +92,10 @@ def run_checked_workspace(args, workdir: str) -> None:
     from posttrain import workspace
     from posttrain.config import load_config, read_config_dict
     from posttrain import ingest
-    from posttrain.ingest import check_pending
 
     config_path = args.config or os.path.join(workdir, PARAMS_FILE)
     if ingest.pending(workdir):  # cheap checks first: bad new rows are refused before TRL is imported
-        check_pending(workdir, load_config(config_path, check_trl=False))
+        check_incoming(workdir, config_path, load_config(config_path, check_trl=False))
     servers_and_config("run", config_path, temporary_prefect=True)
     if args.config and not Path(workdir, "dvc.yaml").is_file():
         with contextlib.suppress(UserError):  # another run created it meanwhile: both run in it, in turn
@@ -112,13 +111,26 @@ def run_checked_workspace(args, workdir: str) -> None:
         workdir = os.path.abspath(workdir)
         os.chdir(workdir)  # from here on, the config's paths and imports (custom/) are the workspace's
         # bad rows: exit 2 here (the config's trl: blocks were checked above)
-        check_pending(workdir, load_config(os.path.join(workdir, PARAMS_FILE), check_trl=False))
+        check_incoming(workdir, PARAMS_FILE, load_config(os.path.join(workdir, PARAMS_FILE), check_trl=False))
         from flows import ephemeral_api
         from flows.retrain import retrain
+        from tasks.display import quiet_stage_failures
+
+        quiet_stage_failures()  # a failed stage ends the run in one line (cli.main: StageFailed), no tracebacks
 
         ephemeral_api.bind_to_process()  # Prefect's temporary API server ends with this process, kill -9 included
         ephemeral_api.announce()  # the input is accepted: Prefect's lines about its server are shown
         retrain(workdir=workdir)
+
+
+def check_incoming(workdir: str, config_path: str, config) -> None:
+    """The rows waiting in incoming/, judged by the config's environment: UserError on a bad
+    row, and on what the environment's own code raises (one line naming it and its frame)."""
+    from posttrain.ingest import check_pending
+    from posttrain.plugins import plugin_refusal
+
+    with plugin_refusal(f"{config_path}: data.env", config.data.env):
+        check_pending(workdir, config)
 
 
 def quick_nothing_to_do(workdir: str) -> str | None:

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from posttrain.errors import GateFailure, ReplayError, TrainingFailed, UserError
+from posttrain.errors import GateFailure, ReplayError, StageFailed, TrainingFailed, UserError
 from posttrain.profiles import PACKAGED as PACKAGED_PROFILES
 from posttrain.redact import guard_standard_streams, redact_text
 
@@ -388,6 +388,8 @@ def main(argv: list[str] | None = None, *, parser: argparse.ArgumentParser | Non
         return refuse("replay failed", err, 4)
     except TrainingFailed as err:
         return refuse("training failed", err, 1)
+    except StageFailed as err:
+        return refuse("stage failed", err, 1)
 
 
 def reader_gone() -> bool:

@@ -33,6 +33,16 @@ class TrainingFailed(RuntimeError):
     CLI prints the one-line reason and exits 1; the launcher has ended the other ranks."""
 
 
+class StageFailed(RuntimeError):
+    """A pipeline stage the flow ran failed: `str()` is one line (which stage, DVC's exit
+    code, the stage's own last word, where its output is); `tail`: its last output lines,
+    for the Prefect task run. The CLI prints the line and exits 1."""
+
+    def __init__(self, line: str, tail: str = ""):
+        super().__init__(line)
+        self.tail = tail
+
+
 class OptionError(ValueError):
     """An environment option that passed its schema but cannot be used where it points
     (a `db_dir` that cannot be created): the config check reports it as a `UserError` at

@@ -9,9 +9,11 @@ Prefect worker, a file): a plain line when a phase starts and at each further 10
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
+from posttrain.errors import StageFailed
 from posttrain.summary import duration
 
 def figures(event: dict) -> str:
@@ -81,3 +83,34 @@ class StageDisplay:
             self.bar.console.print(line.rstrip("\n"), markup=False, highlight=False)
         else:
             self.plain(line.rstrip("\n"))
+
+
+class StageFailureFormatter(logging.Formatter):
+    """Prefect's console format, without the traceback of a failed stage (StageFailed):
+    its one line says which stage failed, with what and where its output is; the stage's log
+    and the task run (Prefect's API handler keeps the traceback) hold the rest."""
+
+    def __init__(self, inner: logging.Formatter | None):
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        if not (record.exc_info and isinstance(record.exc_info[1], StageFailed)):
+            return self.inner.format(record)
+        saved = record.exc_info, record.exc_text
+        record.exc_info = record.exc_text = None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text = saved
+
+
+def quiet_stage_failures() -> None:
+    """Prefect's console handlers show a failed stage as lines, not tracebacks (Prefect logs
+    each failed task and flow run with its traceback: three of them for one stage)."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]
+    for handler in {h for logger in loggers for h in getattr(logger, "handlers", ())}:  # Prefect's is the root's
+        if isinstance(handler, PrefectConsoleHandler) and not isinstance(handler.formatter, StageFailureFormatter):
+            handler.setFormatter(StageFailureFormatter(handler.formatter))

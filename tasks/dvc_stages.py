@@ -14,6 +14,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from posttrain import lifetime, stagehost, summary
+from posttrain.errors import StageFailed
 from posttrain.files import read_json
 from posttrain.redact import redact_text
 from posttrain.tracking import flatten, stage_outputs
@@ -140,7 +141,8 @@ def failure_artifact(stage: dict, err: BaseException) -> None:
     """What a failed stage printed last, as a markdown artifact of its task run."""
     from prefect.artifacts import create_markdown_artifact
 
-    create_markdown_artifact(f"**Stage {stage['name']} failed**\n\n```\n{str(err)[-4000:]}\n```",
+    text = getattr(err, "tail", "") or str(err)  # a StageFailed's last output lines, not only its one line
+    create_markdown_artifact(f"**Stage {stage['name']} failed**\n\n```\n{text[-4000:]}\n```",
                              description=f"the last lines of stage {stage['name']}")
 
 
@@ -157,7 +159,16 @@ def repro_stage(stage: dict, workdir: str, run_id: str, tracking_uri: str) -> No
         code, tail = run_logged([tool_path("dvc"), "repro", "--single-item", stage["name"]], cwd=workdir, env=env,
                                 log_path=stage_log(workdir, stage), display=display)
     if code != 0:
-        raise RuntimeError(f"stage {stage['name']!r} failed (dvc exit {code}); last lines:\n{tail}")
+        raise StageFailed(failure_line(stage, code, tail, stage_log(workdir, stage).relative_to(workdir)), tail)
+
+
+def failure_line(stage: dict, code: int, tail: str, log: Path) -> str:
+    """The one line a failed stage ends the run with: its own last word (posttrain's one-line
+    refusal when it gave one, else its last line) and where the rest of its output is."""
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    own = [line for line in lines if line.startswith("posttrain: ")]
+    said = (own or lines or ["(no output)"])[-1].removeprefix("posttrain: ").removeprefix("error: ")[:1000]
+    return f"{stage['name']} (dvc exit {code}): {said}" + ("" if str(log) in said else f" (its output: {log})")
 
 
 def stage_host(workdir: str):

@@ -173,7 +173,11 @@ def test_a_failed_stage_shows_on_its_task_run(flow_runs, tmp_path):
     with prefect_server(tmp_path, f"sqlite+aiosqlite:///{tmp_path / 'prefect.db'}") as api_url:
         env = process_env(PREFECT_API_URL=api_url, PREFECT_HOME=str(tmp_path / "client-home"))
         done = sh("posttrain", "run", cwd=ws, env=env, check=False)
-        assert done.returncode != 0
+        # one line at the end, naming the stage, the plug-in's own frame and the stage's log (issue 25)
+        last = done.stderr.strip().splitlines()[-1]
+        assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr, done.stderr[-3000:]
+        assert last.startswith("posttrain: stage failed: grpo@dense (dvc exit"), last
+        assert "boom: this reward function fails at custom/boom.py:2" in last and "logs/grpo@dense.log" in last, last
         flow_run, = api(api_url, "/flow_runs/filter", {})
         assert flow_run["state_type"] == "FAILED"
         tasks = {t["name"]: t for t in api(api_url, "/task_runs/filter",
