@@ -256,6 +256,15 @@ def test_the_pipeline_runs_a_chat_model_with_lora_on_your_files(project):
     logged = {f.path for f in client.list_logged_model_artifacts(final)}
     assert {"model.safetensors", "adapter"} <= logged, logged   # the merged model and its adapter
 
+    # a verifier option changes no row, only how completions score: every stage that scores
+    # must rerun (it read as up to date, and gates, rewards and evaluation kept the old figures)
+    params = ws / "configs" / "pipeline.yaml"
+    written = yaml.safe_load(params.read_text())
+    written["data"]["options"]["tolerance"] = 0.5
+    params.write_text(yaml.safe_dump(written, sort_keys=False))
+    stale = set(yaml.safe_load(sh("dvc", "status", "--json", cwd=ws).stdout))
+    assert stale == {"prepare", "sft", "grpo@dense", "evaluate"}, stale
+
 
 # Qwen/Qwen2.5-0.5B-Instruct's published config.json
 QWEN25_05B_INSTRUCT = {
