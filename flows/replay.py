@@ -20,12 +20,14 @@ from pathlib import Path
 
 from posttrain.errors import ReplayError, UserError
 from posttrain.layout import PARAMS_FILE
+from posttrain.plugins import CUSTOM_DIR
 from posttrain.tracking import run_metrics, package_versions
 from posttrain.workspace import run_checked, stage_env, tool_path
 from tasks.dvc_stages import stage_metrics, stages
 
-# What a run reads besides the config file: its code, stage graph and versioned data.
-PIPELINE_INPUTS = ("dvc.yaml", "posttrain/", "configs/", "datasets/")
+# What a run reads besides the config file: its code (the workspace's own in custom/ too),
+# stage graph and versioned data.
+PIPELINE_INPUTS = ("dvc.yaml", "posttrain/", f"{CUSTOM_DIR}/", "configs/", "datasets/")
 WALL_CLOCK = re.compile(r"(seconds|per_second|latency|throughput|_ms$|_s$|ttft|tpot)")
 
 

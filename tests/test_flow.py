@@ -156,6 +156,21 @@ def test_replay_reproduces_the_first_run_exactly(flow_runs, tmp_path):
     assert ", 0 DIFFERENT," in done.stdout
 
 
+def test_replay_refuses_a_run_made_with_uncommitted_custom_code(flow_runs, tmp_path):
+    """The workspace's own code (custom/) is code like posttrain/: a run made with it edited
+    and not committed cannot be replayed from its commit, and replay says so (it used to
+    replay the committed custom/ as if it were what ran)."""
+    from mlflow import MlflowClient
+
+    ws = copy_workspace(flow_runs[0], tmp_path / "ws")
+    uri = f"sqlite:///{ws / 'mlflow.db'}"
+    first = flow_runs[3][flow_runs[3]["tags.mlflow.parentRunId"].isna()].iloc[0]["run_id"]
+    MlflowClient(uri).set_tag(first, "git.modified", "custom/rewards.py")  # as the run would have recorded it
+    done = sh("posttrain", "replay", first, "--tracking-uri", uri, "--scratch", tmp_path / "replay", cwd=ws, check=False)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "uncommitted changes to custom/rewards.py" in done.stderr and not (tmp_path / "replay").exists()
+
+
 def test_unknown_replay_run_is_one_line_exit_2(flow_runs):
     ws = flow_runs[0]
     done = sh("posttrain", "replay", "f" * 32, "--tracking-uri", f"sqlite:///{ws / 'mlflow.db'}", cwd=ws, check=False)
