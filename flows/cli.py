@@ -89,9 +89,8 @@ def early_stage_host(workdir: str):
 
 def run_checked_workspace(args, workdir: str) -> None:
     from flows.lock import lock
-    from posttrain import workspace
+    from posttrain import ingest, workspace
     from posttrain.config import load_config, read_config_dict
-    from posttrain import ingest
 
     config_path = args.config or os.path.join(workdir, PARAMS_FILE)
     if ingest.pending(workdir):  # cheap checks first: bad new rows are refused before TRL is imported
@@ -108,7 +107,6 @@ def run_checked_workspace(args, workdir: str) -> None:
     with lock(workdir, log=lambda message: print(message, file=sys.stderr, flush=True)):
         if args.config:
             workspace.prepare(workdir, read_config_dict(Path(args.config)))
-        workdir = os.path.abspath(workdir)
         os.chdir(workdir)  # from here on, the config's paths and imports (custom/) are the workspace's
         # bad rows: exit 2 here (the config's trl: blocks were checked above)
         check_incoming(workdir, PARAMS_FILE, load_config(os.path.join(workdir, PARAMS_FILE), check_trl=False))

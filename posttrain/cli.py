@@ -213,9 +213,9 @@ def run_stage(args) -> None:
         kwargs["config_path"] = config_path  # for the memory plan: gpus.yaml beside the config
     for module, name in STAGE_IMPORTS.get(args.stage, ()):  # start-up, not the stage's compute (make bench)
         getattr(importlib.import_module(module), name)
-    from posttrain.plugins import stage_refusal  # what the user's plug-ins raise: one line naming the plug-in
+    from posttrain.plugins import plugin_refusal  # what the user's plug-ins raise: one line naming the plug-in
 
-    with stage_refusal(where, os.path.join("logs", f"{args.stage}{'@' + kwargs['name'] if args.stage == 'grpo' else ''}.log")):
+    with plugin_refusal(where, log=os.path.join("logs", f"{args.stage}{'@' + kwargs['name'] if args.stage == 'grpo' else ''}.log")):
         print(json.dumps(main(config, **kwargs), indent=2, sort_keys=True))
 
 

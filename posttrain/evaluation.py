@@ -179,18 +179,21 @@ def within_limits(env, row: dict, where: str) -> bool:
     return verified
 
 
-def timeouts_total(env) -> int:
-    """How many matches the environment cut at a time limit (`timeout_counts`, the dataset
-    environment's), 0 for one that keeps no count."""
+def timeout_counts(env) -> dict[str, int]:
+    """The matches the environment cut at a time limit, by kind (`pattern_timeouts`,
+    `math_timeouts`: the dataset environment's `timeout_counts`), {} for one that keeps none."""
     counts = getattr(env, "timeout_counts", None)
-    return sum(counts().values()) if counts else 0
+    return counts() if counts else {}
+
+
+def timeouts_total(env) -> int:
+    return sum(timeout_counts(env).values())
 
 
 def add_timeout_counts(metrics: dict, env) -> dict:
     """`metrics` with the environment's counts of matches cut at a time limit added
     (`pattern_timeouts`, `math_timeouts`): a stage sums its processes' environments."""
-    counts = getattr(env, "timeout_counts", None)
-    for name, count in (counts() if counts else {}).items():
+    for name, count in timeout_counts(env).items():
         metrics[name] = metrics.get(name, 0.0) + float(count)
     return metrics
 

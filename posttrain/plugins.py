@@ -25,6 +25,7 @@ import re
 import stat
 import sys
 import threading
+import traceback
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -297,20 +298,13 @@ def plugin_frame(tb, module_name: str | None = None) -> str:
     """` at custom/words.py:12 in generate`: the deepest frame of traceback `tb` in plug-in
     code (a module of `module_name`'s top-level package, or of any plug-in loaded in this
     process), or "" when none is."""
-    frames = []
-    while tb is not None:
-        frames.append((tb.tb_frame, tb.tb_lineno))
-        tb = tb.tb_next
-    return _deepest_plugin_frame(frames, module_name)
+    return _deepest_plugin_frame(list(traceback.walk_tb(tb)), module_name)
 
 
 def _waiting_at(thread: threading.Thread, module_name: str) -> str:
     """Where `thread` is now, in the plug-in's code (as `plugin_frame`)."""
-    frame, frames = sys._current_frames().get(thread.ident), []
-    while frame is not None:
-        frames.insert(0, (frame, frame.f_lineno))
-        frame = frame.f_back
-    return _deepest_plugin_frame(frames, module_name)
+    frame = sys._current_frames().get(thread.ident)
+    return _deepest_plugin_frame(list(traceback.walk_stack(frame))[::-1] if frame else [], module_name)
 
 
 def _deepest_plugin_frame(frames, module_name: str | None) -> str:
@@ -355,7 +349,3 @@ def plugin_refusal(where: str, name: str | None = None, log: str | None = None):
         kept = f" (the stage's output: {log})" if log and os.path.isfile(log) else ""
         raise UserError(where, err.problem + kept, err.fix) from None
 
-
-def stage_refusal(where: str, log: str):
-    """A stage's work under `plugin_refusal`; `log`: a run's logs/<stage>.log."""
-    return plugin_refusal(where, log=log)

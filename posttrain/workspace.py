@@ -76,15 +76,15 @@ def create(dest: str | Path, config: dict, *, remote: str | Path | None = None) 
     dest.parent.mkdir(parents=True, exist_ok=True)
     # laid out beside it and renamed into place: a failed creation leaves nothing, and of two
     # runs creating it at once, one wins and the other runs in the winner's workspace
-    with tempfile.TemporaryDirectory(prefix=f".{dest.name}.creating-", dir=dest.parent) as scratch:
+    scratch = tempfile.mkdtemp(prefix=f".{dest.name}.creating-", dir=dest.parent)
+    try:
         _lay_out(Path(scratch), config, Path(remote or dest.parent / f"{dest.name}-remote").resolve())
-        try:
-            os.rename(scratch, dest)  # over an empty folder, or none
-        except OSError:
-            if not (dest / "dvc.yaml").is_file():
-                raise
-        else:
-            os.mkdir(scratch)  # for TemporaryDirectory's clean-up
+        os.rename(scratch, dest)  # over an empty folder, or none
+    except OSError:
+        if not (dest / "dvc.yaml").is_file():
+            raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)  # gone already once renamed
     return dest
 
 

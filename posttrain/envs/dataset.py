@@ -82,6 +82,13 @@ def regex_problem(pattern: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=65536)
+def _reference_pattern(answer: str):
+    """A `regex` reference answer, checked and compiled once (every completion of a prompt is
+    judged against it), or None when it cannot be a pattern (`regex_problem`)."""
+    return None if regex_problem(answer) else regex.compile(answer, _FLAGS)
+
+
 class _OverLimit(Exception):
     """A user pattern or math-verify ran past its limit on a text (counted once per text)."""
 
@@ -299,9 +306,9 @@ class DatasetEnv:
     def _reference_matches(self, answer: str, text: str) -> bool:
         """The `regex` verifier: the reference answer, as a regular expression, matches the
         whole text (a reference that is no regular expression matches nothing)."""
-        if regex_problem(answer):
+        pattern = _reference_pattern(answer)
+        if pattern is None:
             return False
-        pattern = regex.compile(answer, _FLAGS)  # the module keeps compiled patterns
         return self._bounded("regex", pattern.fullmatch, text, key=(answer, text)) is not None
 
     # --- limits ------------------------------------------------------------------------

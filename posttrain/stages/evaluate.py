@@ -4,8 +4,8 @@
 `n_prompts`, and the 95% intervals `greedy_accuracy_ci95` (Wilson) and `pass_at_k_ci95`
 (k -> bootstrap over prompts): `base`, `sft`, `grpo.<stage>` for each GRPO stage, and
 `grpo` for the final model; with the dataset environment also `pattern_timeouts` and
-`math_timeouts` (that model's matches a time limit cut, scored unparseable). The per-prompt outcomes behind them (`outcomes_path`) are
-what paired tests against another run read (promotion, `posttrain compare`). Each model
+`math_timeouts` (that model's matches a time limit cut, scored unparseable). The per-prompt
+outcomes behind them (`outcomes_path`) are what paired tests against another run read (promotion, `posttrain compare`). Each model
 also gets a samples table in MLflow (prompt, completion, every reward channel, verdict),
 and one pass@k-versus-k plot has a line per model (PNG and DVC plot data).
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 import mlflow
 
 from posttrain.envs import get_env
-from posttrain.evaluation import (add_timeout_counts, known_greedy, outcomes, report_timeouts, resolve_backend,
-                                  sample_models, score)
+from posttrain.evaluation import (known_greedy, outcomes, report_timeouts, resolve_backend, sample_models, score,
+                                  timeout_counts)
 from posttrain.files import read_jsonl, write_json
 from posttrain.layout import model_dirs, read_card
 from posttrain.lineage import log_datasets
@@ -43,11 +43,11 @@ def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_
         channels = {curve_name(name): reward_channel(name).make(env) for name in reward_channels(config)}
         report, per_prompt = {}, {}
         for name, (greedy, sampled) in completions.items():
-            before = add_timeout_counts({}, env)
+            before = timeout_counts(env)
             report[name], samples = score(env, rows, greedy, sampled, ks=settings.k, channels=channels,
                                           resamples=config.stats.bootstrap_resamples, seed=config.seed)
             # this model's completions whose matches a time limit cut (dataset env: patterns, math-verify)
-            report[name].update({k: v - before[k] for k, v in add_timeout_counts({}, env).items()})
+            report[name].update({k: float(v - before[k]) for k, v in timeout_counts(env).items()})
             per_prompt[name] = outcomes(samples, settings.n_samples)
             mlflow.log_table({key: [s[key] for s in samples] for key in samples[0]},
                              artifact_file=f"samples/{name}.json")
@@ -59,7 +59,7 @@ def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_
                            "temperature": settings.temperature, "sampling_backend": backend,
                            "greedy_from_gates": ",".join(reused) if backend == "transformers" else ""})
         mlflow.log_metrics(flatten(report))
-        report_timeouts("stage evaluate", add_timeout_counts({}, env))
+        report_timeouts("stage evaluate", timeout_counts(env))
         write_json(metrics_path, report)
         write_json(accuracy_plot, [{"model": m, "greedy_accuracy": r["greedy_accuracy"]} for m, r in report.items()])
         write_json(pass_at_k_plot, [{"model": m, "k": int(k), "pass_at_k": v}
