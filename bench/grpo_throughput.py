@@ -61,12 +61,13 @@ def bare_inputs(root: Path, ws: Path, name: str) -> tuple[Path, Path]:
     """The prompts the stage trains on (its pass-rate filter's, same seed) and the
     GRPOConfig options posttrain gives TRL, as files for bench/bare_grpo.py."""
     from posttrain.chat import grpo_rows
-    from posttrain.config import device_defaults, grpo_trl_options, load_config
+    from posttrain.config import load_config
+    from posttrain.trl_bridge import device_defaults, grpo_trl_options
     from posttrain.envs import get_env
     from posttrain.files import read_jsonl
     from posttrain.stages.grpo import filter_prompts
 
-    config = load_config(ws / "configs" / "pipeline.yaml", check_trl=False)
+    config = load_config(ws / "configs" / "pipeline.yaml")
     stage = config.grpo[name]
     env = get_env(config.data.env, **config.data.options)
     kept, _ = filter_prompts(config, stage, env, str(ws / "artifacts" / "models" / stage.from_),

@@ -38,7 +38,7 @@ def compute_parts(run) -> dict[str, float]:
 
 
 def main(workdir: str = ".") -> None:
-    config = load_config(Path(workdir) / "configs" / "pipeline.yaml", check_trl=False)
+    config = load_config(Path(workdir) / "configs" / "pipeline.yaml")
     mlflow.set_tracking_uri(tracking_uri(config, workdir))
     runs = mlflow.search_runs(experiment_names=[config.tracking.experiment], order_by=["start_time DESC"],
                               filter_string="tags.`posttrain.flow` = 'retrain' and attributes.status = 'FINISHED'")

@@ -76,7 +76,7 @@ def run_workspace(args) -> None:
 
 def early_stage_host(workdir: str):
     """The run's stage host, started before the checks when the workspace exists already:
-    it imports TRL and torch for the config check (posttrain.config.checked_in_host) and goes
+    it imports TRL and torch for the config check (flows.checks.checked_in_host) and goes
     on with the stages' imports while Prefect starts (the flow starts one otherwise)."""
     import contextlib
 
@@ -89,12 +89,11 @@ def early_stage_host(workdir: str):
 
 def run_checked_workspace(args, workdir: str) -> None:
     from flows.lock import lock
-    from posttrain import ingest, workspace
-    from posttrain.config import load_config, read_config_dict
+    from posttrain import workspace
+    from posttrain.config import read_config_dict
 
     config_path = args.config or os.path.join(workdir, PARAMS_FILE)
-    if ingest.pending(workdir):  # cheap checks first: bad new rows are refused before TRL is imported
-        check_incoming(workdir, config_path, load_config(config_path, check_trl=False))
+    check_incoming(workdir, config_path)  # cheap checks first: bad new rows are refused before TRL is imported
     servers_and_config("run", config_path, temporary_prefect=True)
     if args.config and not Path(workdir, "dvc.yaml").is_file():
         with contextlib.suppress(UserError):  # another run created it meanwhile: both run in it, in turn
@@ -109,7 +108,7 @@ def run_checked_workspace(args, workdir: str) -> None:
             workspace.prepare(workdir, read_config_dict(Path(args.config)))
         os.chdir(workdir)  # from here on, the config's paths and imports (custom/) are the workspace's
         # bad rows: exit 2 here (the config's trl: blocks were checked above)
-        check_incoming(workdir, PARAMS_FILE, load_config(os.path.join(workdir, PARAMS_FILE), check_trl=False))
+        check_incoming(workdir, PARAMS_FILE)
         from flows import ephemeral_api
         from flows.retrain import retrain
         from tasks.display import quiet_stage_failures
@@ -118,17 +117,23 @@ def run_checked_workspace(args, workdir: str) -> None:
 
         ephemeral_api.bind_to_process()  # Prefect's temporary API server ends with this process, kill -9 included
         ephemeral_api.announce()  # the input is accepted: Prefect's lines about its server are shown
-        retrain(workdir=workdir)
+        retrain(workdir=workdir, checked=True)
 
 
-def check_incoming(workdir: str, config_path: str, config) -> None:
-    """The rows waiting in incoming/, judged by the config's environment: UserError on a bad
-    row, and on what the environment's own code raises (one line naming it and its frame)."""
-    from posttrain.ingest import check_pending
+def check_incoming(workdir: str, config_path: str) -> None:
+    """The rows waiting in incoming/, judged by the config's environment (checked first):
+    UserError on a bad row, and on what the environment's own code raises (one line naming
+    it and its frame). Nothing is read when nothing waits."""
+    from posttrain import ingest, preflight
+    from posttrain.config import load_config
     from posttrain.plugins import plugin_refusal
 
+    if not ingest.pending(workdir):
+        return
+    config = load_config(config_path)
+    preflight.environment(Path(config_path), config)
     with plugin_refusal(f"{config_path}: data.env", config.data.env):
-        check_pending(workdir, config)
+        ingest.check_pending(workdir, config)
 
 
 def quick_nothing_to_do(workdir: str) -> str | None:
@@ -163,22 +168,21 @@ def quick_nothing_to_do(workdir: str) -> str | None:
 
 
 def servers_and_config(command: str, config_path: str, *, temporary_prefect: bool):
-    """The validated config, once the MLflow and Prefect servers the command will use have
-    answered: those the environment names first (a dead one costs minutes of retries later,
-    after the workspace is written), then those of the config and the Prefect profile."""
+    """The config, checked whole (flows.checks), once the MLflow and Prefect servers the
+    command will use have answered: those the environment names first (a dead one costs
+    minutes of retries later, after the workspace is written), then those of the config
+    and the Prefect profile."""
     from posttrain.config import load_config
     from posttrain.probe import check_prefect, check_tracking, profile_api_url
 
     env_tracking, env_prefect = os.environ.get("MLFLOW_TRACKING_URI"), os.environ.get("PREFECT_API_URL")
     check_tracking(env_tracking, command=command)
     check_prefect(env_prefect, command=command, temporary_ok=temporary_prefect)
-    config = load_config(config_path, check_trl=command != "run")
-    if command == "run" and checked_meanwhile(config_path) is None:  # by the run's stage host, else here
-        from posttrain import fit
-        from posttrain.config import check_trl_blocks
+    config = load_config(config_path)
+    if command != "run" or checked_meanwhile(config_path) is None:  # by the run's stage host, else here
+        from flows.checks import checked_here
 
-        check_trl_blocks(Path(config_path), config)
-        fit.check(config_path, config)  # every training stage fits training.gpu: before any server or compute
+        checked_here(config_path, config)  # every training stage fits training.gpu: before any server or compute
     if not env_tracking:
         check_tracking(config.tracking.uri, command=command, source=f"tracking.uri in {config_path}")
     if not env_prefect:
@@ -187,16 +191,16 @@ def servers_and_config(command: str, config_path: str, *, temporary_prefect: boo
 
 
 def checked_meanwhile(config_path: str) -> str | None:
-    """The run's check by its stage host (posttrain.config.checked_in_host), while this
+    """The run's check by its stage host (flows.checks.checked_in_host), while this
     process imports the flow and starts Prefect's temporary server (4 s on 2 cores): the
     host's imports keep one core busy, this process would wait on the other. A refused
     config ends the run before any flow run exists (the server ends with the process)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from posttrain.config import checked_in_host
+    from flows.checks import checked_in_host
 
     with ThreadPoolExecutor(1) as pool:
-        checked = pool.submit(checked_in_host, config_path, trl_only=False)
+        checked = pool.submit(checked_in_host, config_path)
         from flows import ephemeral_api
 
         ephemeral_api.start_now()

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
+from flows.checks import full_check
 from flows.lock import lock
-from posttrain import summary
+from posttrain import stageid, summary
 from posttrain.config import load_config
 from posttrain.layout import PARAMS_FILE
 from posttrain.tracking import nothing_to_do, tracking_uri
@@ -27,7 +28,7 @@ from tasks.runs import (close_run, gate_tags, open_parent_run, plan_memory, prom
 
 
 @flow(name="retrain")
-def retrain(workdir: str = ".") -> dict:
+def retrain(workdir: str = ".", checked: bool = False) -> dict:
     """Run the pipeline of `workdir`: a git + DVC repo with dvc.yaml and its params file.
 
     First new data in `incoming/` is validated and versioned; then, if nothing changed
@@ -35,12 +36,16 @@ def retrain(workdir: str = ".") -> dict:
     is found up to date by DVC) under one MLflow parent run, and the result is promoted.
     One run at a time per workspace: a second waits for the lock. Holding it, the run
     marks what a killed run of the workspace left RUNNING in MLflow as KILLED.
+    `checked`: `posttrain run` checked the config whole before the flow started (a
+    scheduled run checks it here, by the run's stage host).
     """
     logger = get_run_logger()
     workdir = str(Path(workdir).resolve())
     os.chdir(workdir)  # what the config names by path or import (custom/) is the workspace's, as in its stages
     with lock(workdir, log=logger.warning), stage_host(workdir):
         config = load_config(Path(workdir) / PARAMS_FILE)
+        if not checked:
+            full_check(Path(workdir) / PARAMS_FILE, config)
         uri = tracking_uri(config, workdir)
         mark_dead_runs(workdir, uri)
         added = version_data(workdir, config)
@@ -104,5 +109,5 @@ def greedy_so_far(results: dict[str, dict]) -> float | None:
 
 def final_model(config, stages: list[dict], workdir: str) -> str:
     """The pipeline's result: the model folder the last GRPO stage outputs, as dvc.yaml names it."""
-    last = f"grpo@{list(config.grpo)[-1]}"
+    last = stageid.final(config).dvc
     return str(Path(workdir) / next(s["outs"][0] for s in stages if s["name"] == last))

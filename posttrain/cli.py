@@ -46,9 +46,8 @@ def build_parser(add_commands=None) -> argparse.ArgumentParser:
     check.add_argument("--config", required=True)
     check.add_argument("--elsewhere", action="store_true", help="for another machine (a GPU cluster): leave out "
                        "the checks of this machine's GPUs, installed versions and servers")
-    # how a stage host answers posttrain.config.checked_in_host: the outcome as one JSON line
+    # how a stage host answers flows.checks.checked_in_host: the outcome as one JSON line
     check.add_argument("--as-json", action="store_true", help=argparse.SUPPRESS)
-    check.add_argument("--trl-only", action="store_true", help=argparse.SUPPRESS)  # load_config's part
     stage = sub.add_parser("stage", help="run one pipeline stage (dvc.yaml calls this)",
                            description="posttrain stage NAME --config FILE --PATH-FLAG VALUE ...: the path flags "
                                        "are the stage's `main` keyword arguments (dvc.yaml passes them)")
@@ -132,8 +131,6 @@ def add_memory_parser(sub) -> None:
 
 
 def dispatch(args) -> int:
-    from posttrain.config import load_config
-
     if args.command == "check":
         return check_config(args)
     elif args.command == "join":
@@ -158,16 +155,14 @@ def dispatch(args) -> int:
 
 def check_config(args) -> int:
     """`posttrain check`. With the hidden --as-json (a stage host's answer to
-    posttrain.config.checked_in_host) the outcome, or the refusal, is one JSON line on stdout."""
-    from posttrain import fit
-    from posttrain.config import check_trl_blocks, load_config
+    flows.checks.checked_in_host) the outcome, or the refusal, is one JSON line on stdout."""
+    from posttrain import fit, preflight
+    from posttrain.config import load_config
 
     try:
-        if args.trl_only:
-            check_trl_blocks(Path(args.config), load_config(args.config, check_trl=False, here=False))
-            fits = ""
-        else:
-            fits = fit.check(args.config, load_config(args.config, here=not args.elsewhere))
+        config = load_config(args.config)
+        chars = preflight.everything(args.config, config, here=not args.elsewhere)
+        fits = fit.check(args.config, config, prompt_chars=chars)
     except UserError as err:
         if not args.as_json:
             raise
@@ -188,6 +183,7 @@ def run_stage(args) -> None:
     die_with_run()  # under the flow's `dvc repro`: the stage ends with the flow (kill -9 of the run included)
     import importlib
 
+    from posttrain import preflight
     from posttrain.config import load_config
 
     wanted = ["config"] + stage_flags(args.stage)  # from the source: a wrong flag costs no torch import
@@ -203,8 +199,8 @@ def run_stage(args) -> None:
             f"missing --{missing[0].replace('_', '-')}"
         raise UserError(where, problem, f"it takes {', '.join('--' + w.replace('_', '-') for w in wanted)}")
     config_path = kwargs.pop("config")
-    # what this machine can run matters to the stages that train (a replay of evaluate elsewhere need not)
-    config = load_config(config_path, check_trl=False, here=args.stage in ("sft", "grpo"))
+    config = load_config(config_path)
+    preflight.for_stage(args.stage, config_path, config)  # what this stage's own work touches
     main = importlib.import_module(f"posttrain.stages.{args.stage}").main
     if args.stage == "grpo" and kwargs["name"] not in config.grpo:
         raise UserError(f"{where} --name", f"no GRPO stage {kwargs['name']!r} in {config_path}",
@@ -214,8 +210,10 @@ def run_stage(args) -> None:
     for module, name in STAGE_IMPORTS.get(args.stage, ()):  # start-up, not the stage's compute (make bench)
         getattr(importlib.import_module(module), name)
     from posttrain.plugins import plugin_refusal  # what the user's plug-ins raise: one line naming the plug-in
+    from posttrain.stageid import StageId
 
-    with plugin_refusal(where, log=os.path.join("logs", f"{args.stage}{'@' + kwargs['name'] if args.stage == 'grpo' else ''}.log")):
+    stage = StageId(args.stage, kwargs.get("name") if args.stage == "grpo" else None)
+    with plugin_refusal(where, log=str(stage.log)):
         print(json.dumps(main(config, **kwargs), indent=2, sort_keys=True))
 
 
@@ -230,12 +228,14 @@ STAGE_IMPORTS = {"prepare": [("transformers", "AutoModelForCausalLM")],
 
 def join_stage(args) -> int:
     """`posttrain join`: this node's ranks of the stage's next launched training job."""
+    from posttrain import preflight
     from posttrain.config import load_config
     from posttrain.launch import join
-    from posttrain.machine import training_stages
+    from posttrain.stageid import training_stages
 
-    config = load_config(args.config, check_trl=False)
-    names = [stage for stage, _ in training_stages(config)]
+    config = load_config(args.config)
+    preflight.launchers(Path(args.config), config, here=True)
+    names = [stage.dvc for stage in training_stages(config)]
     if args.stage not in names:
         raise UserError("posttrain join --stage", f"no training stage {args.stage!r} in {args.config}",
                         f"use one of {names}")
@@ -301,7 +301,8 @@ def print_memory(args) -> None:
 def print_pipeline_memory(args) -> None:
     """`posttrain memory --config FILE`: every training stage's plan (posttrain.fit), as
     JSON (what reports/memory.json holds) or one line per stage."""
-    from posttrain.config import load_config, prompt_chars
+    from posttrain import preflight
+    from posttrain.config import load_config
     from posttrain.fit import pipeline_plan
 
     defaults = vars(build_parser().parse_args(["memory"]))
@@ -311,8 +312,9 @@ def print_pipeline_memory(args) -> None:
     if given:
         raise UserError(f"posttrain memory {given[0].replace('--model', 'MODEL')}", "--config plans each stage as its config says",
                         "leave out the flag, or change the config (training.gpu, the stage's trl:, peft:, launcher:)")
-    config = load_config(args.config, here=False)
-    figures = pipeline_plan(config, config_path=args.config, prompt_chars=prompt_chars(config))
+    config = load_config(args.config)
+    chars = preflight.everything(args.config, config, here=False)
+    figures = pipeline_plan(config, config_path=args.config, prompt_chars=chars)
     if args.json:
         print(json.dumps(figures, sort_keys=True))
         return

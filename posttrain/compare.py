@@ -21,6 +21,7 @@ from pathlib import Path
 
 from posttrain import stats
 from posttrain.errors import UserError
+from posttrain.stageid import kind_of
 
 ALIASES = ("champion", "challenger")
 PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".eps", ".ps")
@@ -198,7 +199,7 @@ def reward_curves(client, run) -> dict[str, list[tuple[int, float]]]:
     curves = {}
     for child in children:
         name = child.data.tags.get("mlflow.runName", "")
-        if name.startswith("grpo@"):
+        if kind_of(name) == "grpo":
             history = client.get_metric_history(child.info.run_id, "reward")
             curves[name] = [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)]
     return curves

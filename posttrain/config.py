@@ -1,32 +1,27 @@
-"""The pipeline config: one YAML file, validated whole before any compute.
+"""The pipeline config as data: one YAML file, parsed, merged and validated against the
+schema below. Nothing here looks past the file: the environment, the model, TRL's
+options, the machine and the servers are posttrain.preflight's checks (and
+posttrain.trl_bridge's), each caller asking for those it needs.
 
 A variant file may say `extends: other.yaml` and hold only its overrides (deep-merged;
 a variant that names another `data.env` takes none of the base's `data.options`).
 Every error is a `UserError` naming the file, the field and the fix in one line, and
-echoes at most `SHOWN_CHARS` of any value it quotes.
-Stage `trl:` blocks pass unchanged into TRL's `SFTConfig` / `GRPOConfig`; validation
-checks their types against TRL's own annotations (plus the bounds in `TRL_BOUNDS`) and
-builds those objects so TRL's own invariants (e.g. whole groups of `num_generations`
-per batch) are checked here, before training starts.
+echoes at most `SHOWN_CHARS` (posttrain.yamlfile) of any value it quotes.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import functools
-import json
 import re
-import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 from urllib.parse import parse_qs, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from posttrain.errors import OptionError, UserError, invalid
+from posttrain.errors import UserError, invalid
 from posttrain.modelconfig import LARGEST_DIMENSION
-from posttrain.yamlfile import SHOWN_CHARS, read_text, read_yaml, schema_error, show
+from posttrain.stageid import StageId
+from posttrain.yamlfile import read_yaml, schema_error, show
 
 STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 RESERVED_NAMES = {"base", "sft", "grpo"}
@@ -37,10 +32,6 @@ TRACKING_SCHEMES = {"file", "sqlite", "postgresql", "mysql", "mssql", "http", "h
                     "databricks-uc", "uc"}
 SECRET_QUERY_KEYS = {"password", "passwd", "pwd", "token", "access_token", "secret"}
 VLLM_DTYPES = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
-
-# TRL options posttrain sets itself from dvc.yaml paths and tracking; users set them elsewhere.
-OWNED_TRL_KEYS = {"output_dir": "set by dvc.yaml", "report_to": "posttrain always logs to MLflow",
-                  "run_name": "set by the pipeline", "logging_dir": "set by dvc.yaml"}
 
 
 class Section(BaseModel):
@@ -353,18 +344,19 @@ class PipelineConfig(Section):
     tracking: TrackingSection = TrackingSection()
     orchestration: OrchestrationSection = OrchestrationSection()
 
-    def stage_section(self, stage: str) -> SFTSection | GRPOStage:
+    def stage_section(self, stage: StageId | str) -> SFTSection | GRPOStage:
         """The section of training stage `stage` (`sft` or `grpo@NAME`)."""
-        return self.sft if stage == "sft" else self.grpo[stage.split("@", 1)[1]]
+        stage = StageId.parse(str(stage))
+        return self.sft if stage.kind == "sft" else self.grpo[stage.name]
 
-    def stage_launcher(self, stage: str) -> LauncherSection:
+    def stage_launcher(self, stage: StageId | str) -> LauncherSection:
         """How training stage `stage` (`sft` or `grpo@NAME`) trains: its own `launcher`, else the pipeline's."""
         return self.stage_section(stage).launcher or self.launcher
 
-    def launcher_field(self, stage: str) -> str:
+    def launcher_field(self, stage: StageId | str) -> str:
         """The config field `stage_launcher(stage)` comes from: `launcher`, or e.g. `grpo.dense.launcher`."""
         own = self.stage_section(stage).launcher is not None
-        return ("sft" if stage == "sft" else f"grpo.{stage.split('@', 1)[1]}") + ".launcher" if own else "launcher"
+        return f"{StageId.parse(str(stage)).field}.launcher" if own else "launcher"
 
     @field_validator("grpo")
     @classmethod
@@ -425,29 +417,23 @@ def _deep_merge(base: dict, override: dict) -> dict:
     return merged
 
 
-def load_config(path: str | Path, *, check_trl: bool = True, here: bool = True) -> PipelineConfig:
-    """Read, merge, and validate a pipeline config; raises `UserError` on any problem.
-    `here`: also whether this machine can run its training (posttrain.machine). Whether
-    each training stage fits `training.gpu` is `posttrain.fit.check`'s, called by `check`,
-    `run` and the training stages (only they import the memory arithmetic)."""
+def load_config(path: str | Path) -> PipelineConfig:
+    """Read, merge and validate a pipeline config: the schema and what its fields say
+    together, nothing else (no environment, model, machine or TRL is looked at: that is
+    posttrain.preflight's, asked for by each caller). `UserError` on any problem."""
     path = Path(path)
     raw = read_config_dict(path)
     try:
         config = PipelineConfig.model_validate(raw)
     except ValidationError as err:
         raise schema_error(str(path), err) from None
-    _check_semantics(path, config)
-    if check_trl and checked_in_host(path, trl_only=True) is None:
-        check_trl_blocks(path, config)
-    from posttrain import machine
-
-    machine.check(path, config, here=here)
+    _check_cross_fields(path, config)
     return config
 
 
-def _check_semantics(path: Path, config: PipelineConfig) -> None:
-    """What one field cannot say alone: cross-field bounds, the environment's options and
-    data, the model's shape, GPU profiles and the names of metrics."""
+def _check_cross_fields(path: Path, config: PipelineConfig) -> None:
+    """What one field cannot say alone: bounds between fields, the tiny model's heads and
+    the name of the metric promotion compares."""
     bad_k = [k for k in config.evaluate.k if not 1 <= k <= config.evaluate.n_samples]
     if bad_k:
         raise UserError(f"{path}: evaluate.k", f"k={bad_k[0]} is outside 1..n_samples ({config.evaluate.n_samples})",
@@ -455,212 +441,18 @@ def _check_semantics(path: Path, config: PipelineConfig) -> None:
     if config.gate.k > config.gate.n_samples:
         raise UserError(f"{path}: gate.k", f"k={config.gate.k} exceeds gate.n_samples ({config.gate.n_samples})",
                         "lower gate.k or raise gate.n_samples")
-    env, rows = _check_env(path, config)
-    _check_stop_when(path, config, len(rows["train"]))
-    _check_grpo_names(path, config)
-    _check_serving(path, config)
-    heads, kv_heads, positions = model_shape(path, config)
-    longest = prompt_chars(config, env, rows, check_chat=lambda: _check_chat(path, config))
-    _check_tensor_parallel(path, config.serving.tensor_parallel_size, heads, kv_heads)
-    _check_lengths(path, config, longest, positions)
-    if not known_metric(config, config.promotion.metric):
-        raise UserError(f"{path}: promotion.metric", f"{show(config.promotion.metric)} is not a metric the pipeline "
-                        "records", f"use e.g. evaluate.grpo.greedy_accuracy or evaluate.grpo.pass_at_k.{config.evaluate.k[-1]}")
-
-
-def _check_env(path: Path, config: PipelineConfig) -> tuple[Any, dict[str, list[dict]]]:
-    """The environment's options against its own schema; then its splits (the data the
-    other checks measure)."""
-    from posttrain.envs import env_factory, get_env, options_schema
-    from posttrain.plugins import PluginError, check_custom, plugin_failures
-
-    check_custom(Path.cwd())  # where import paths find the user's code: before any of it is read
-    try:
-        with plugin_failures(config.data.env):  # what the user's environment raises: one line, its own frame
-            env = get_env(config.data.env, **config.data.options)
-            splits = env.generate(config.seed)  # new data only adds to the training split
-    except ValidationError as err:
-        schema = options_schema(env_factory(config.data.env))
-        raise schema_error(str(path), err, ("data", "options"), sorted(schema.model_fields) if schema else None) from None
-    except OptionError as err:
-        raise UserError(f"{path}: data.options.{err.option}", err.problem, err.fix) from None
-    except PluginError as err:
-        raise UserError(f"{path}: data.env", err.problem, err.fix) from None
-    problem = splits_problem(splits)
-    if problem:
-        raise UserError(f"{path}: data.env", f"{show(config.data.env)}'s generate(seed) {problem}",
-                        "return {'train': [...], 'heldout': [...]}, rows with string prompt, completion and answer "
-                        "(posttrain/envs/base.py)")
-    return env, splits
-
-
-def splits_problem(splits) -> str | None:
-    """What is wrong with an environment's splits, or None."""
-    if not isinstance(splits, dict) or not {"train", "heldout"} <= splits.keys():
-        return f"returned a {type(splits).__name__} without 'train' and 'heldout'"
-    for name in ("train", "heldout"):
-        rows = splits[name]
-        if not isinstance(rows, list) or not rows:
-            return f"gave no {name} rows"
-        bad = next((r for r in rows if not isinstance(r, dict) or not all(
-            isinstance(r.get(k), str) for k in ("prompt", "completion", "answer"))), None)
-        if bad is not None:
-            return f"gave a {name} row without string prompt, completion and answer: {show(bad)}"
-    return None
-
-
-def _check_stop_when(path: Path, config: PipelineConfig, train_rows: int) -> None:
-    stop = config.sft.stop_when
-    if stop is not None and stop.validation_size > train_rows // 2:
-        raise UserError(f"{path}: sft.stop_when.validation_size", f"{stop.validation_size} of the "
-                        f"{train_rows} training rows leaves too few to train on", f"use at most {train_rows // 2}")
-
-
-def _check_grpo_names(path: Path, config: PipelineConfig) -> None:
-    """Reward channels and guardrails name entries of their registries."""
-    from posttrain.plugins import PluginError
-    from posttrain.rewards import guardrail, reward_channel
-
-    for stage_name, stage in config.grpo.items():
-        for kind, names, resolve in [("rewards", stage.rewards, reward_channel), ("guardrails", stage.guardrails, guardrail)]:
-            for name in names:
-                try:
-                    resolve(name)
-                except PluginError as err:
-                    raise UserError(f"{path}: grpo.{stage_name}.{kind}", err.problem, err.fix) from None
-
-
-def _check_serving(path: Path, config: PipelineConfig) -> None:
-    """Session lengths within the context, and GPU profiles that exist: from gpus.yaml
-    beside the config, else the package's, so a profile is never skipped."""
-    from posttrain.profiles import load_profiles, profiles_path
-
     serving = config.serving
     if max(serving.session_lengths) > serving.context_length:
         raise UserError(f"{path}: serving.session_lengths", f"a session of {max(serving.session_lengths)} tokens "
                         f"exceeds serving.context_length ({serving.context_length})",
                         "keep session lengths within the context length")
-    gpus = profiles_path(path.parent)
-    profiles = load_profiles(gpus)
-    for field, gpu in [("serving.gpu", serving.gpu), ("serving.slo.gpu", serving.slo.gpu),
-                       ("training.gpu", config.training.gpu)]:
-        if gpu is not None and gpu not in profiles:
-            raise UserError(f"{path}: {field}", f"unknown GPU profile {show(gpu)} in {gpus}", f"use one of {sorted(profiles)}")
-
-
-def prompt_chars(config: PipelineConfig, env=None, rows: dict[str, list[dict]] | None = None, *,
-                 check_chat=None) -> int:
-    """Characters of the longest prompt of every split, inside the chat template with
-    `data.chat` (an upper bound of its tokens); the environment's splits are generated
-    when not given."""
-    if env is None:
-        from posttrain.envs import get_env
-        from posttrain.plugins import plugin_refusal
-
-        with plugin_refusal("data.env", config.data.env):  # the user's environment: one line if it raises
-            env = get_env(config.data.env, **config.data.options)
-            rows = env.generate(config.seed)
-    chat = check_chat() if check_chat else config.data.chat
-    if chat:  # the prompt as generation sees it
-        return _longest_rendered(config, getattr(env, "system", None), rows)
-    return max(len(r["prompt"]) for split in rows.values() for r in split)
-
-
-def _check_chat(path: Path, config: PipelineConfig) -> bool:
-    """`data.chat` needs a model whose tokenizer carries a chat template; whether it is on."""
-    if not config.data.chat:
-        return False
-    if config.model.path is None:
-        raise UserError(f"{path}: data.chat", "the tiny built-in model has no chat template",
-                        "set model.path to a chat model's folder, or data.chat: false")
-    from posttrain.chat import chat_template
-
-    if chat_template(config.model.path) is None:
-        raise UserError(f"{path}: data.chat", f"the tokenizer in {show(config.model.path)} has no chat template "
-                        "(no chat_template in tokenizer_config.json, no chat_template.jinja)",
-                        "use a chat (instruct) model's folder, add its template, or set data.chat: false")
-    return True
-
-
-def _longest_rendered(config: PipelineConfig, system: str | None, rows: dict[str, list[dict]]) -> int:
-    """Characters of the longest prompt once the chat template wraps it (an upper bound
-    of its tokens, as for plain prompts)."""
-    from posttrain.chat import load_tokenizer, render
-
-    longest = max((r for split in rows.values() for r in split), key=lambda r: len(r["prompt"]))
-    try:
-        tokenizer = load_tokenizer(str(Path(config.model.path).resolve()))
-        return len(render([longest], tokenizer, system)[0]["prompt"])
-    except Exception as err:  # the tokenizer's or its template's own reason (a system turn it refuses, ...)
-        raise UserError(f"{config.model.path}: chat template", f"cannot render a prompt: {type(err).__name__}: "
-                        f"{' '.join(str(err).split())[:200]}", "fix the template, drop data.options.system if the "
-                        "template refuses a system turn, or set data.chat: false") from None
-
-
-def model_shape(path: Path, config: PipelineConfig) -> tuple[int, int, int]:
-    """(attention heads, KV heads, positions) of the model the pipeline starts from: the
-    tiny model's shape, or what `model.path`'s config.json says."""
     tiny = config.model.tiny
-    if config.model.path is None:
-        if tiny.hidden_size % tiny.num_heads or tiny.num_heads % tiny.num_kv_heads:
-            raise UserError(f"{path}: model.tiny", "num_heads must divide hidden_size and num_kv_heads num_heads",
-                            "pick head counts that divide evenly")
-        return tiny.num_heads, tiny.num_kv_heads, tiny.max_positions
-    where = f"{path}: model.path"
-    config_json = Path(config.model.path) / "config.json"
-    if not config_json.is_file():
-        raise UserError(where, f"{show(config.model.path)} is not a local Hugging Face model folder (no config.json)",
-                        "point model.path at a folder saved with save_pretrained, or null")
-    try:
-        model = json.loads(read_text(config_json))
-    except json.JSONDecodeError as err:
-        raise UserError(where, f"{config_json} is not valid JSON ({err.msg} at line {err.lineno})",
-                        "save the model again with save_pretrained") from None
-    return _heads_and_positions(where, config_json, model)
-
-
-def _heads_and_positions(where: str, config_json: Path, model: Any) -> tuple[int, int, int]:
-    """(heads, KV heads, positions) from a Hugging Face config (its text part, for a
-    multimodal one), under the names decoder configs use."""
-    model = (model.get("text_config") or model) if isinstance(model, dict) else {}
-    heads = model.get("num_attention_heads") or model.get("n_head")
-    kv_heads = model.get("num_key_value_heads") or heads
-    positions = model.get("max_position_embeddings") or model.get("n_positions")
-    for name, value in [("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-                        ("max_position_embeddings", positions)]:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise UserError(where, f"{config_json} has no positive integer {name}",
-                            "point model.path at a decoder model saved with save_pretrained")
-    return heads, kv_heads, positions
-
-
-def _check_tensor_parallel(path: Path, tp: int, heads: int, kv_heads: int) -> None:
-    """vLLM's rule: each GPU holds a whole number of attention heads, and KV heads are
-    split evenly or replicated evenly (tp a multiple of them)."""
-    def fits(t: int) -> bool:
-        return heads % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0)
-
-    if not fits(tp):
-        valid = [t for t in range(1, heads + 1) if fits(t)]
-        raise UserError(f"{path}: serving.tensor_parallel_size", f"{tp} GPUs cannot split the model's {heads} "
-                        f"attention heads and {kv_heads} KV heads evenly", f"use one of {valid}")
-
-
-def _check_lengths(path: Path, config: PipelineConfig, longest_prompt: int, positions: int) -> None:
-    """Generated tokens after the longest prompt fit the model's positions (rotary
-    positions have no hard end, so past it generation runs on, for hours). A prompt is
-    counted in characters: the tiny tokenizer's tokens, at most a real tokenizer's."""
-    lengths = [("evaluate.max_new_tokens", config.evaluate.max_new_tokens)]
-    lengths += [(f"grpo.{name}.trl.max_completion_length", stage.trl.get("max_completion_length"))
-                for name, stage in config.grpo.items()]
-    if longest_prompt >= positions:
-        raise UserError(f"{path}: data", f"prompts of up to {longest_prompt} characters leave no room in the model's "
-                        f"{positions} positions", "shorten the prompts (and the system prompt) or use a model with more "
-                        "positions")
-    for field, tokens in lengths:
-        if isinstance(tokens, int) and longest_prompt + tokens > positions:
-            raise UserError(f"{path}: {field}", f"{show(tokens)} tokens after a prompt of up to {longest_prompt} "
-                            f"exceed the model's {positions} positions", f"use at most {positions - longest_prompt}")
+    if config.model.path is None and (tiny.hidden_size % tiny.num_heads or tiny.num_heads % tiny.num_kv_heads):
+        raise UserError(f"{path}: model.tiny", "num_heads must divide hidden_size and num_kv_heads num_heads",
+                        "pick head counts that divide evenly")
+    if not known_metric(config, config.promotion.metric):
+        raise UserError(f"{path}: promotion.metric", f"{show(config.promotion.metric)} is not a metric the pipeline "
+                        "records", f"use e.g. evaluate.grpo.greedy_accuracy or evaluate.grpo.pass_at_k.{config.evaluate.k[-1]}")
 
 
 def known_metric(config: PipelineConfig, metric: str) -> bool:
@@ -677,144 +469,3 @@ def known_metric(config: PipelineConfig, metric: str) -> bool:
     return any(re.fullmatch(rf"{re.escape(stage)}\.[a-z0-9_.]+", metric) for stage in stages)
 
 
-def checked_in_host(path: str | Path, *, trl_only: bool) -> str | None:
-    """`posttrain check` of `path` done by the run's stage host (posttrain.stagehost: TRL
-    and torch are imported there once, for the checks and the stages): what `fit.check`
-    said ("" for `trl_only`, the trl: blocks alone), a `UserError` as the check raised it,
-    or None when no host did it (check here)."""
-    from posttrain import stagehost
-
-    done = stagehost.run_json(["check", "--config", str(path), "--as-json", *(["--trl-only"] * trl_only)])
-    if done is None or done[0] not in (0, 2):
-        return None
-    code, answer = done
-    if code == 2:
-        raise UserError(answer["where"], answer["problem"], answer["fix"])
-    return answer["fits"]
-
-
-def check_trl_blocks(path: Path, config: PipelineConfig) -> None:
-    """Build SFTConfig / GRPOConfig from the `trl:` blocks, so TRL validates them now, and
-    the LoRA configs from the `peft:` blocks."""
-    from trl import GRPOConfig, SFTConfig
-
-    blocks = [("sft.trl", SFTConfig, config.sft.trl)]
-    blocks += [(f"grpo.{name}.trl", across(GRPOConfig, config.stage_launcher(f"grpo@{name}")), grpo_trl_options(s))
-               for name, s in config.grpo.items()]
-    for field, cls, options in blocks:
-        build_trl_config(f"{path}: {field}", cls, options, output_dir="/nonexistent/posttrain-check")
-    peft = [("sft.peft", config.sft.peft)] + [(f"grpo.{name}.peft", s.peft) for name, s in config.grpo.items()]
-    for field, options in peft:
-        if options is not None:
-            build_lora_config(f"{path}: {field}", options)
-
-
-def across(cls, launcher):
-    """`cls` as it validates on the launcher's processes x nodes ranks: TRL checks GRPO's
-    batches against the world size (whole groups of `num_generations` per global batch),
-    which is 1 in the process that checks the config."""
-    world = launcher.processes * launcher.nodes
-    return cls if world == 1 else _world_sized(cls, world)
-
-
-@functools.cache
-def _world_sized(cls, world: int):
-    return type(cls.__name__, (cls,), {"world_size": property(lambda self: world), "__module__": cls.__module__})
-
-
-def build_lora_config(where: str, options: dict):
-    """`peft.LoraConfig(**options)`; an option LoRA does not know names the nearest valid
-    one, an invalid value is one line (`UserError`)."""
-    from peft import LoraConfig
-
-    known = {f.name for f in dataclasses.fields(LoraConfig) if f.init}
-    for key in options:
-        if key not in known:
-            hint = difflib.get_close_matches(str(key), known, n=3, cutoff=0.4)
-            fix = f"did you mean {' or '.join(map(repr, hint))}?" if hint else \
-                f"use LoraConfig's options, e.g. {['r', 'lora_alpha', 'lora_dropout', 'target_modules']}"
-            raise UserError(f"{where}.{str(key)[:SHOWN_CHARS]}", "unknown LoraConfig option", fix)
-    try:
-        trl_schema(LoraConfig).model_validate(options)
-    except ValidationError as err:
-        file, _, block = where.rpartition(": ")
-        raise schema_error(file, err, tuple(block.split("."))) from None
-    try:
-        return LoraConfig(**options)
-    except (ValueError, TypeError) as err:
-        raise UserError(where, " ".join(str(err).split())[:300], "adjust the LoRA options as the message says") from None
-
-
-def grpo_trl_options(stage: GRPOStage) -> dict:
-    """The stage's `trl:` block plus what its reward channels imply: channel weights, and
-    per-channel normalisation (GDPO) when there are several, unless the block says otherwise."""
-    options = {"reward_weights": list(stage.rewards.values())}
-    if len(stage.rewards) > 1:
-        options["multi_objective_aggregation"] = "normalize_then_sum"
-    return {**options, **stage.trl}
-
-
-def device_defaults() -> dict:
-    """TRL defaults to bf16, which a machine without CUDA rejects: there, train in fp32
-    on the CPU unless the config says otherwise."""
-    import torch
-
-    return {} if torch.cuda.is_available() else {"use_cpu": True, "bf16": False}
-
-
-def build_trl_config(where: str, cls, options: dict, **owned):
-    """`cls(**defaults, **options, **owned)`; unknown or invalid options become `UserError`."""
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in options:
-        if key in OWNED_TRL_KEYS:
-            raise UserError(f"{where}.{key}", f"posttrain sets this option ({OWNED_TRL_KEYS[key]})", "remove it")
-        if key not in known:
-            hint = difflib.get_close_matches(str(key), known, n=1)
-            fix = f"did you mean {hint[0]!r}?" if hint else f"see the {cls.__name__} documentation"
-            raise UserError(f"{where}.{str(key)[:SHOWN_CHARS]}", f"unknown {cls.__name__} option", fix)
-    try:
-        trl_schema(cls).model_validate(options)
-    except ValidationError as err:
-        file, _, block = where.rpartition(": ")  # `file: sft.trl` -> the option at `file: sft.trl.<key>`
-        raise schema_error(file, err, tuple(block.split("."))) from None
-    try:
-        return cls(**{**device_defaults(), **options}, **owned)
-    except (ValueError, TypeError) as err:
-        message = " ".join(str(err).split())
-        raise UserError(where, message[:300], f"adjust the {cls.__name__} options as the message says") from None
-
-
-# Bounds TRL's dataclasses do not check (a batch of 0 or a negative learning rate fail
-# only mid-training); applied to whichever of SFTConfig / GRPOConfig has the option.
-TRL_BOUNDS = {
-    "learning_rate": {"gt": 0}, "num_train_epochs": {"gt": 0}, "max_steps": {"ge": -1},
-    "per_device_train_batch_size": {"ge": 1}, "per_device_eval_batch_size": {"ge": 1},
-    "gradient_accumulation_steps": {"ge": 1}, "warmup_steps": {"ge": 0}, "warmup_ratio": {"ge": 0, "le": 1},
-    "weight_decay": {"ge": 0}, "max_grad_norm": {"ge": 0}, "logging_steps": {"gt": 0}, "save_steps": {"gt": 0},
-    "eval_steps": {"gt": 0}, "max_length": {"ge": 1},
-    "max_completion_length": {"ge": 1}, "num_generations": {"ge": 2}, "num_iterations": {"ge": 1},
-    "temperature": {"gt": 0}, "top_p": {"gt": 0, "le": 1}, "top_k": {"ge": 0}, "beta": {"ge": 0},
-    "seed": {"ge": 0, "le": SEED_MAX}, "data_seed": {"ge": 0, "le": SEED_MAX},
-    # peft.LoraConfig (schema built the same way)
-    "r": {"ge": 1}, "lora_alpha": {"gt": 0}, "lora_dropout": {"ge": 0, "lt": 1},
-}
-
-
-def _plain(hint):
-    """`hint`, or Any where it names a nested config dataclass (peft's ArrowConfig, ...):
-    the library checks those itself."""
-    def nested(t) -> bool:
-        return (isinstance(t, type) and dataclasses.is_dataclass(t)) or any(nested(a) for a in typing.get_args(t))
-    return Any if nested(hint) else hint
-
-
-@functools.cache
-def trl_schema(cls) -> type[BaseModel]:
-    """A pydantic model of `cls`'s options from TRL's (or peft's) own annotations, strict (YAML reads
-    `1e-3` as a string: it must not reach the optimizer) and bounded by TRL_BOUNDS."""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: (Annotated[_plain(hints[f.name]), Field(**TRL_BOUNDS.get(f.name, {}))] | None, None)
-              for f in dataclasses.fields(cls) if f.init}
-    # no inf or nan: `beta: .inf` is valid YAML and a valid float, and no TRL option means it
-    return create_model(f"{cls.__name__}Options", __config__=ConfigDict(strict=True, extra="allow", allow_inf_nan=False),
-                        **fields)

@@ -28,8 +28,9 @@ import re
 from pathlib import Path
 
 from posttrain.errors import UserError
-from posttrain.machine import cuda_devices, training_stages
+from posttrain.machine import cuda_devices
 from posttrain.memory import GIB, LINEAR_NAMES, LINEARS, Setup, optimizer_state_bytes, plan
+from posttrain.stageid import StageId, training_stages
 from posttrain.modelconfig import FIELD_FIX, LARGEST_DIMENSION, BadField
 from posttrain.yamlfile import show
 
@@ -165,12 +166,12 @@ def stage_setup(config, stage: str, *, prompt_chars: int, gpu: bool, where: str)
     TRL's default) rather than this machine's CPU (fp32)."""
     import trl as trl_package
 
-    from posttrain.config import trl_schema
+    from posttrain.trl_bridge import trl_schema
     from posttrain.yamlfile import schema_error
     from pydantic import ValidationError
 
     section = config.stage_section(stage)
-    field = dict(training_stages(config))[stage]
+    field = StageId.parse(stage).field
     file = where.split(": ")[0]
     trl, cls = section.trl, "SFTConfig" if stage == "sft" else "GRPOConfig"
     try:  # the options' types, as the stage will build them (a bad value is one line here too)
@@ -227,7 +228,7 @@ def stage_plan(config, stage: str, *, config_path: str | Path, prompt_chars: int
     know (not a dense Llama-like decoder) gets `planned: false` and its reason; with a GPU
     declared that is a `UserError` (nothing would be checked)."""
     path = Path(config_path)
-    field = dict(training_stages(config))[stage]
+    field = StageId.parse(stage).field
     where = f"{path}: {config.launcher_field(stage)}"
     limit = budget(config, path.parent)
     gpu = limit is not None or cuda_devices() > 0
@@ -334,7 +335,7 @@ def cheapest_fix(config, stage: str, field: str, model: dict, setup: Setup, limi
 def accepted(config, stage: str, batch: int, steps: int, path: Path) -> bool:
     """Whether TRL accepts the stage's `trl:` block with this micro-batch and accumulation
     (GRPO: whole groups of `num_generations` per generation batch, at the launcher's world size)."""
-    from posttrain.config import across, build_trl_config, grpo_trl_options
+    from posttrain.trl_bridge import build_trl_config, grpo_trl_options, world_sized
 
     if stage == "sft":
         return True
@@ -343,7 +344,7 @@ def accepted(config, stage: str, batch: int, steps: int, path: Path) -> bool:
     section = config.stage_section(stage)
     options = {**grpo_trl_options(section), "per_device_train_batch_size": batch, "gradient_accumulation_steps": steps}
     try:
-        build_trl_config(f"{path}: {stage}", across(GRPOConfig, config.stage_launcher(stage)), options,
+        build_trl_config(f"{path}: {stage}", world_sized(GRPOConfig, config.stage_launcher(stage)), options,
                          output_dir="/nonexistent/posttrain-fit")
     except UserError:
         return False
@@ -353,7 +354,7 @@ def accepted(config, stage: str, batch: int, steps: int, path: Path) -> bool:
 def pipeline_plan(config, *, config_path: str | Path, prompt_chars: int) -> dict:
     """Every training stage's plan (reports/memory.json, `posttrain memory --config`)."""
     stages = {stage: stage_plan(config, stage, config_path=config_path, prompt_chars=prompt_chars)
-              for stage, _ in training_stages(config)}
+              for stage in map(str, training_stages(config))}
     return {"gpu": config.training.gpu, "num_gpus": config.training.num_gpus, "stages": stages}
 
 
@@ -363,7 +364,7 @@ def check(path: str | Path, config, *, prompt_chars: int | None = None) -> str:
     (`checked_plan`), and say what each needs. `posttrain check` and `posttrain run` call it."""
     chars = longest_prompt(config) if prompt_chars is None else prompt_chars
     plans = {stage: checked_plan(config, stage, config_path=path, prompt_chars=chars)  # peft: and trl: read here
-             for stage, _ in training_stages(config)}
+             for stage in map(str, training_stages(config))}
     if config.training.gpu is None:
         return ""
     budget_gib = next(iter(plans.values()))["budget_bytes"] / GIB
@@ -373,7 +374,7 @@ def check(path: str | Path, config, *, prompt_chars: int | None = None) -> str:
 
 
 def longest_prompt(config) -> int:
-    from posttrain.config import prompt_chars
+    from posttrain.preflight import prompt_chars
 
     return prompt_chars(config)
 
@@ -382,7 +383,7 @@ def checked_plan(config, stage: str, *, config_path: str | Path, prompt_chars: i
     """`stage_plan`, or a `UserError` naming the stage, the predicted peak, the budget and
     the cheapest fix when it does not fit (or the launcher wants more GPUs than declared)."""
     chars = longest_prompt(config) if prompt_chars is None else prompt_chars
-    field = dict(training_stages(config))[stage]
+    field = StageId.parse(stage).field
     launcher = config.stage_launcher(stage)
     if config.training.num_gpus is not None and launcher.processes > config.training.num_gpus:
         raise UserError(f"{config_path}: {config.launcher_field(stage)}.processes", f"{launcher.processes} processes per node, but "

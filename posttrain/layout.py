@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from posttrain.files import read_json, write_json
+from posttrain.stageid import final, training_stages
 
 BASE_POINTER = "posttrain_base.json"
 CARD = "posttrain_card.json"  # beside a trained model's weights: its held-out evaluation, the gate's verdict
@@ -23,14 +24,15 @@ def resolve_model_dir(model_dir: str | Path) -> str:
 
 
 def model_dirs(config, models_dir: str) -> dict[str, str]:
-    """Report name -> model folder: base, sft, then each GRPO stage in order."""
-    dirs = {"base": resolve_model_dir(Path(models_dir) / "base"), "sft": str(Path(models_dir) / "sft")}
-    return dirs | {f"grpo.{name}": str(Path(models_dir) / name) for name in config.grpo}
+    """Report name (a training stage's config field) -> model folder: base, sft, then each
+    GRPO stage in order."""
+    dirs = {"base": resolve_model_dir(Path(models_dir) / "base")}
+    return dirs | {stage.field: str(Path(models_dir) / stage.model) for stage in training_stages(config)}
 
 
 def final_model_dir(config, models_dir: str) -> str:
     """The pipeline's result: what the last GRPO stage output (trained, or carried through)."""
-    return str(Path(models_dir) / list(config.grpo)[-1])
+    return str(Path(models_dir) / final(config).model)
 
 
 def read_card(model_dir: str | Path) -> dict:

@@ -15,23 +15,19 @@ from pathlib import Path
 
 from posttrain.errors import UserError
 from posttrain.probe import http_problem
+from posttrain.stageid import StageId, training_stages
 from posttrain.yamlfile import show
 
 SERVER_TIMEOUT_S = 5.0
 
 
-def training_stages(config) -> list[tuple[str, str]]:
-    """(stage, its config field) for every training stage: sft, then each GRPO stage."""
-    return [("sft", "sft"), *((f"grpo@{name}", f"grpo.{name}") for name in config.grpo)]
-
-
 def check(path, config, *, here: bool = True) -> None:
     """Every training stage's launcher, and every GRPO stage's vLLM options; `here`: also
     against this machine."""
-    launched = any(config.stage_launcher(stage).type != "in_process" for stage, _ in training_stages(config))
+    launched = any(config.stage_launcher(stage).type != "in_process" for stage in training_stages(config))
     vllm = any(stage.trl.get("use_vllm") for stage in config.grpo.values())
     cuda = cuda_devices() if here and (launched or vllm) else 0  # torch imported only when it matters
-    for stage, field in training_stages(config):
+    for stage in training_stages(config):
         launcher = config.stage_launcher(stage)
         where = f"{path}: {config.launcher_field(stage)}"
         loaded = accelerate_config(where, launcher.accelerate_config) if launcher.accelerate_config else None
@@ -51,7 +47,7 @@ def check(path, config, *, here: bool = True) -> None:
             problem = vllm_problem(stage.trl, cuda=bool(cuda), vllm=installed_version("vllm"),
                                    supported=trl_vllm_requirement())
             if problem:
-                raise UserError(f"{path}: grpo.{name}.trl.{problem[0]}", *problem[1:])
+                raise UserError(f"{path}: {StageId.grpo(name).field}.trl.{problem[0]}", *problem[1:])
 
 
 def rdzv_endpoint(launcher, where: str) -> tuple[str, str]:

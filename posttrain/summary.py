@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from posttrain.stageid import StageId, kind_of
 from posttrain.stats import format_p
 from posttrain.tracking import run_link
 
@@ -39,7 +40,7 @@ def gates_line(gates: dict[str, str], results: dict) -> str:
     parts = []
     for tag, verdict in gates.items():
         stage = tag.split(".", 1)[1]
-        p_values = {k.removeprefix("gate_p_"): v for k, v in results.get(f"grpo@{stage}", {}).items()
+        p_values = {k.removeprefix("gate_p_"): v for k, v in results.get(StageId.grpo(stage).dvc, {}).items()
                     if k.startswith("gate_p_")}
         shown = ", ".join(f"{k} {format_p(v)}" for k, v in p_values.items())
         parts.append(f"{stage} {verdict}" + (f" (paired tests vs the previous model: {shown})" if shown else ""))
@@ -78,7 +79,7 @@ def stage_line(name: str, metrics: dict, *, seconds: float, cached: bool, before
                 f"base model of {m.get('base_params', 0):,.0f} parameters, {took}")
     if name == "sft" and "greedy_accuracy" in m:
         return f"sft: greedy {m['greedy_accuracy']:.3f} on held-out{pass_at(m)}, {m.get('steps', 0):,.0f} steps, {took}"
-    if name.startswith("grpo@") and "candidate_greedy_accuracy" in m:
+    if kind_of(name) == "grpo" and "candidate_greedy_accuracy" in m:
         verdict = "accepted" if m.get("accepted") == 1.0 else "rejected (the previous model carries on)"
         greedy = m["candidate_greedy_accuracy"]
         change = f"{before:.3f} -> {greedy:.3f}" if before is not None else f"{greedy:.3f}"

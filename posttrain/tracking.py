@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from posttrain.redact import redact_uri
+from posttrain.stageid import known
 
 # The evaluate stage's per-prompt held-out outcomes (dvc.yaml), logged to each parent run
 # at this path: what paired tests against another run read (promotion, `posttrain compare`).
@@ -207,7 +208,8 @@ def _is_number(value) -> bool:
 def run_metrics(results: dict[str, dict]) -> dict[str, float]:
     """Stage name -> its metrics files' content, as the parent run's metric names
     (`grpo@dense` -> `grpo.dense.*`: MLflow names allow no '@')."""
-    return flatten({name.replace("@", "."): metrics for name, metrics in results.items()})
+    return flatten({(stage.field if (stage := known(name)) else name.replace("@", ".")): metrics
+                    for name, metrics in results.items()})
 
 
 def flatten_params(config: dict, prefix: str = "") -> dict[str, str]:

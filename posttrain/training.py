@@ -86,7 +86,7 @@ def lora_config(where: str, options: dict | None):
     trains every weight."""
     if options is None:
         return None
-    from posttrain.config import build_lora_config
+    from posttrain.trl_bridge import build_lora_config
 
     return build_lora_config(where, options)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -17,6 +16,7 @@ from posttrain import lifetime, stagehost, summary
 from posttrain.errors import StageFailed
 from posttrain.files import read_json
 from posttrain.redact import redact_text
+from posttrain.stageid import kind_of, known
 from posttrain.tracking import flatten, stage_outputs
 from posttrain.workspace import stage_env, tool_path
 
@@ -178,7 +178,9 @@ def stage_host(workdir: str):
 
 
 def stage_log(workdir: str, stage: dict) -> Path:
-    return Path(workdir) / "logs" / f"{stage['name']}.log"
+    """Where the flow saves the stage's output (a stage a user added to dvc.yaml: logs/<its name>.log)."""
+    own = known(stage["name"])
+    return Path(workdir) / (own.log if own else Path("logs") / f"{stage['name']}.log")
 
 
 def record_stage(stage: dict, workdir: str, run_id: str, tracking_uri: str, *,
@@ -210,16 +212,17 @@ def record_stage(stage: dict, workdir: str, run_id: str, tracking_uri: str, *,
 
 
 def is_training(stage: dict) -> bool:
-    return stage["name"] == "sft" or stage["name"].startswith("grpo@")
+    return getattr(known(stage["name"]), "trains", False)
 
 
 def own_model_prefix(name: str, metrics: dict) -> str | None:
     """The prefix of a training stage's figures of the model it outputs as its own: "" for
     SFT, "candidate_" for a GRPO stage whose gate accepted it; None for a rejected one (it
     outputs the model before it, scored by its own stage)."""
-    if name == "sft":
+    kind = kind_of(name)
+    if kind == "sft":
         return ""
-    return "candidate_" if name.startswith("grpo@") and metrics.get("accepted") == 1.0 else None
+    return "candidate_" if kind == "grpo" and metrics.get("accepted") == 1.0 else None
 
 
 def log_checkpoint(client, stage: dict, run_id: str, outputs: dict[str, str], metrics: dict) -> None:

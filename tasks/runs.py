@@ -11,6 +11,7 @@ from prefect import task
 
 from posttrain import crash
 from posttrain.files import read_json
+from posttrain.stageid import known
 from posttrain.layout import PARAMS_FILE
 from posttrain.lineage import log_datasets, workspace_datasets
 from posttrain.redact import redact_uri
@@ -58,7 +59,8 @@ def gate_tags(results: dict) -> dict[str, str]:
     """`gate.<stage>`: accepted / rejected / skipped, for every GRPO stage."""
     def verdict(m):
         return "skipped" if m.get("skipped") else "accepted" if m.get("accepted") else "rejected"
-    return {f"gate.{name.split('@', 1)[1]}": verdict(m) for name, m in results.items() if name.startswith("grpo@")}
+    stages = {name: known(name) for name in results}
+    return {f"gate.{stage.name}": verdict(results[name]) for name, stage in stages.items() if stage and stage.kind == "grpo"}
 
 
 def read_outcomes(workdir: str) -> dict | None:

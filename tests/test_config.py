@@ -9,11 +9,20 @@ from pathlib import Path
 import pytest
 import yaml
 
+from posttrain import preflight
 from posttrain.config import load_config, read_config_dict
 from posttrain.errors import UserError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PIPELINES = [p for p in sorted(CONFIGS.glob("*.yaml")) if p.name != "gpus.yaml"]
+
+
+def load_checked(path):
+    """The config as `posttrain check` takes it: loaded (posttrain.config), then every
+    preflight check against this machine."""
+    config = load_config(path)
+    preflight.everything(path, config, here=True)
+    return config
 
 
 def leaves(tree: dict, keys: tuple = ()):
@@ -30,7 +39,7 @@ def test_every_shipped_config_loads(path):
     """Every value the file sets (after `extends`) is the loaded config's value, and the
     GRPO stages keep the file's order."""
     raw = read_config_dict(path)
-    config = load_config(path)
+    config = load_checked(path)
     loaded = config.model_dump(by_alias=True)
     for keys, value in leaves(raw):
         assert functools.reduce(lambda tree, key: tree[key], keys, loaded) == value, ".".join(keys)
@@ -67,7 +76,7 @@ def write(tmp_path, text: str) -> Path:
 ])
 def test_errors_name_file_field_and_fix(tmp_path, text, field, fix):
     with pytest.raises(UserError) as err:
-        load_config(write(tmp_path, text))
+        load_checked(write(tmp_path, text))
     message = str(err.value)
     assert "\n" not in message and "variant.yaml" in message and field in message and fix in message
 
@@ -80,7 +89,7 @@ def test_yaml_is_loaded_safely(tmp_path):
 
 
 def test_extends_merges_mappings_and_replaces_lists(tmp_path):
-    config = load_config(write(tmp_path, "evaluate: {k: [1, 2]}\n"))
+    config = load_checked(write(tmp_path, "evaluate: {k: [1, 2]}\n"))
     base = yaml.safe_load((CONFIGS / "pipeline.yaml").read_text())
     assert config.evaluate.k == [1, 2] and config.evaluate.n_samples == base["evaluate"]["n_samples"]
 
@@ -101,13 +110,13 @@ def test_extends_merges_mappings_and_replaces_lists(tmp_path):
     "sft: {trl: {lr_scheduler_type: cosine, num_train_epochs: 2, learning_rate: 3}}\n",  # ints where TRL has floats
 ])
 def test_accepted_variants(tmp_path, text):
-    load_config(write(tmp_path, text))
+    load_checked(write(tmp_path, text))
 
 
 def test_gpu_profiles_beside_the_config_come_first(tmp_path):
     path = write(tmp_path, "serving: {gpu: MyGPU}\n")
     (tmp_path / "gpus.yaml").write_text("MyGPU: {memory_gib: 10, reserve_gib: 1}\n")
-    assert load_config(path, check_trl=False).serving.gpu == "MyGPU"
+    assert load_checked(path).serving.gpu == "MyGPU"
     (tmp_path / "gpus.yaml").unlink()  # the package's profiles know no MyGPU
     with pytest.raises(UserError, match="serving.gpu: unknown GPU profile 'MyGPU'"):
-        load_config(path, check_trl=False)
+        load_checked(path)

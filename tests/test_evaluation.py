@@ -13,7 +13,7 @@ def trained_model(tmp_path_factory):
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from posttrain.config import device_defaults
+    from posttrain.trl_bridge import device_defaults
     from posttrain.tiny_model import save_tiny_model
 
     root = tmp_path_factory.mktemp("model")

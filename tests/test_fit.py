@@ -49,7 +49,7 @@ def test_the_default_pipeline_plans_as_it_trains_here():
     from posttrain.config import load_config
     from posttrain.fit import model_config
 
-    config = load_config(REPO / "configs" / "pipeline.yaml", check_trl=False)
+    config = load_config(REPO / "configs" / "pipeline.yaml")
     sft = figures["stages"]["sft"]
     expected = plan(model_config(config), Setup(method="sft", batch=64, seq=32, gradient_checkpointing=True,
                                                 mixed_precision=False, cpu=True))

@@ -40,7 +40,7 @@ def test_guardrail_gets_the_minimum_whatever_the_channels_say(tmp_path, monkeypa
     from trl import GRPOConfig, GRPOTrainer
 
     from posttrain import rewards
-    from posttrain.config import device_defaults
+    from posttrain.trl_bridge import device_defaults
     from posttrain.envs import get_env
     from posttrain.tiny_model import save_tiny_model
 

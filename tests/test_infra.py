@@ -609,7 +609,7 @@ def test_the_per_job_config_passes_posttrains_config_loader(tmp_path):
 
     done, _ = simulate(tmp_path, ["n1", "n2", "localhost"], "--vllm", "--vllm-model", str(tmp_path), helpers=2)
     assert done.returncode == 0, done.stderr
-    config = load_config(tmp_path / "slurm-jobs" / "4242.yaml", check_trl=False, here=False)
+    config = load_config(tmp_path / "slurm-jobs" / "4242.yaml")
     assert (config.launcher.type, config.launcher.nodes, config.launcher.processes) == ("accelerate", 2, 8)
     assert config.launcher.rdzv_endpoint is None  # POSTTRAIN_RDZV_ENDPOINT, set for every step
     options = config.grpo["dense"].trl

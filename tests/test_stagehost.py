@@ -81,10 +81,10 @@ def test_what_the_host_cannot_run_alike_runs_in_its_own_process(workspace):
 
 
 CHECK = """import json, sys
-from posttrain.config import checked_in_host
+from flows.checks import checked_in_host
 from posttrain.errors import UserError
 try:
-    print(json.dumps({"fits": checked_in_host(sys.argv[1], trl_only=False)}))
+    print(json.dumps({"fits": checked_in_host(sys.argv[1])}))
 except UserError as err:
     print(json.dumps({"refused": str(err)}))
 """

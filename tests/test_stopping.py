@@ -16,7 +16,7 @@ def train(tmp_path, *, stopper: dict | None, epochs: int = 2):
     from transformers import AutoTokenizer, Trainer
     from trl import SFTConfig, SFTTrainer
 
-    from posttrain.config import device_defaults
+    from posttrain.trl_bridge import device_defaults
     from posttrain.tiny_model import save_tiny_model
 
     base = tmp_path / "base"

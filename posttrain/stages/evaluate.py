@@ -16,6 +16,7 @@ from pathlib import Path
 
 import mlflow
 
+from posttrain import stageid
 from posttrain.envs import get_env
 from posttrain.evaluation import (known_greedy, outcomes, report_timeouts, resolve_backend, sample_models, score,
                                   timeout_counts)
@@ -52,7 +53,7 @@ def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_
             mlflow.log_table({key: [s[key] for s in samples] for key in samples[0]},
                              artifact_file=f"samples/{name}.json")
         curves = dict(report)
-        final = f"grpo.{list(config.grpo)[-1]}"
+        final = stageid.final(config).field  # "grpo": the pipeline's result
         report["grpo"], per_prompt["grpo"] = report[final], per_prompt[final]
         write_json(outcomes_path, per_prompt)
         mlflow.log_params({"heldout_prompts": len(rows), "n_samples": settings.n_samples,

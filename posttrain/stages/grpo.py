@@ -15,7 +15,7 @@ import mlflow
 
 from posttrain import checkpoints, fit, launch
 from posttrain.chat import grpo_rows
-from posttrain.config import build_trl_config, grpo_trl_options
+from posttrain.trl_bridge import build_trl_config, grpo_trl_options
 from posttrain.envs import get_env
 from posttrain.evaluation import add_timeout_counts, pass_rates, report_timeouts
 from posttrain.files import read_jsonl, write_json
@@ -23,6 +23,7 @@ from posttrain.layout import PARAMS_FILE, read_card, write_card
 from posttrain.lineage import log_datasets
 from posttrain.gate import decide, reward_trend
 from posttrain.rewards import build_rewards
+from posttrain.stageid import StageId
 from posttrain.tracking import compute, flatten, stage_run
 from posttrain.training import gate_evaluation, gate_figures, log_to_mlflow, lora_config, save_model, train
 
@@ -31,9 +32,9 @@ ZERO_STD_WARNING = 0.5
 
 def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, checkpoint_dir: str,
          metrics_path: str, curve_path: str, config_path: str = PARAMS_FILE) -> dict[str, float]:
-    stage = config.grpo[name]
-    memory = fit.checked_plan(config, f"grpo@{name}", config_path=config_path)  # a stage that cannot fit stops here
-    with stage_run(config, f"grpo@{name}"):
+    stage, stage_id = config.grpo[name], StageId.grpo(name)
+    memory = fit.checked_plan(config, stage_id.dvc, config_path=config_path)  # a stage that cannot fit stops here
+    with stage_run(config, stage_id.dvc):
         fit.log_plan(memory)
         log_datasets({f"{data_dir}/train.jsonl": "training", f"{data_dir}/heldout.jsonl": "evaluation"})
         env = get_env(config.data.env, **config.data.options)
@@ -46,10 +47,10 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
         with compute("filter"):
             rows, metrics = filter_prompts(config, stage, env, init_dir, read_jsonl(Path(data_dir) / "train.jsonl"))
         run_dir = checkpoints.run_dir(checkpoint_dir, [config.seed, stage.model_dump(),  # and the launcher, as in sft
-                                                       config.stage_launcher(f"grpo@{name}").model_dump()],
+                                                       config.stage_launcher(stage_id).model_dump()],
                                       [Path(data_dir), init_dir])
         with compute("train"):
-            trained = launch.train(config, f"grpo@{name}", f"{__name__}:train_job", {"name": name, "rows": rows,
+            trained = launch.train(config, stage_id.dvc, f"{__name__}:train_job", {"name": name, "rows": rows,
                                    "init_dir": init_dir, "out_dir": out_dir, "run_dir": run_dir})
         curve = trained["curve"]
         metrics.update(trained["metrics"], world_size=float(trained["world_size"]))
@@ -108,12 +109,13 @@ def train_job(config, job: dict) -> dict:
     stage = config.grpo[name]
     env = get_env(config.data.env, **config.data.options)
     funcs, _ = build_rewards(env, stage.rewards, stage.guardrails)
-    args = build_trl_config(f"grpo.{name}.trl", GRPOConfig, {"seed": config.seed, **grpo_trl_options(stage)},
+    field = StageId.grpo(name).field
+    args = build_trl_config(f"{field}.trl", GRPOConfig, {"seed": config.seed, **grpo_trl_options(stage)},
                             output_dir=run_dir, report_to=[], run_name=name)
     dataset = Dataset.from_list(grpo_rows(job["rows"]))
     trainer = GRPOTrainer(model=init_dir, reward_funcs=funcs, args=args, train_dataset=dataset,
                           processing_class=AutoTokenizer.from_pretrained(init_dir),
-                          peft_config=lora_config(f"grpo.{name}.peft", stage.peft))
+                          peft_config=lora_config(f"{field}.peft", stage.peft))
     log_to_mlflow(trainer)
     seconds, resumed = train(trainer, run_dir)
     save_model(trainer, job["out_dir"])

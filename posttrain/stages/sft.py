@@ -18,7 +18,7 @@ import mlflow
 
 from posttrain import checkpoints, fit, launch
 from posttrain.chat import sft_rows
-from posttrain.config import build_trl_config
+from posttrain.trl_bridge import build_trl_config
 from posttrain.envs import get_env
 from posttrain.evaluation import add_timeout_counts, check_format_contract, report_timeouts
 from posttrain.files import read_jsonl, write_json

@@ -1,0 +1,270 @@
+"""Preflight: whether a valid config (posttrain.config) can run here, checked before any
+compute. Each caller asks for what it needs: `posttrain check` and `posttrain run` for
+all of it (`everything`); a stage process for what its own work touches (`for_stage`):
+the serving and evaluate stages neither generate the environment's data nor load a
+tokenizer. TRL's own validation of the `trl:` blocks is posttrain.trl_bridge's, the
+memory fit posttrain.fit's. Every refusal is one `UserError` line naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from posttrain.config import PipelineConfig
+from posttrain.errors import OptionError, UserError
+from posttrain.yamlfile import read_text, schema_error, show
+
+
+def everything(path: str | Path, config: PipelineConfig, *, here: bool, trl: bool = True) -> int:
+    """Every check before a run (`posttrain check`, `posttrain run`): the environment and
+    its data, the model against them, the GPU profiles, the `trl:` and `peft:` blocks
+    (`trl`) and the launchers (`here`: against this machine too). The longest prompt's
+    characters, which the memory fit plans with."""
+    path = Path(path)
+    env, rows = environment(path, config)
+    gpu_profiles(path, config)
+    longest = model_room(path, config, env, rows)
+    if trl:
+        from posttrain.trl_bridge import check_trl_blocks
+
+        check_trl_blocks(path, config)
+    launchers(path, config, here=here)
+    return longest
+
+
+def for_stage(stage: str, path: str | Path, config: PipelineConfig) -> None:
+    """What stage `stage`'s own work needs of the config, checked in its process (the
+    run checked everything before it; `dvc repro` alone did not): the environment and the
+    model for the stages that build them, this machine's launchers for training."""
+    path = Path(path)
+    if stage in ("prepare", "sft", "grpo"):
+        env, rows = environment(path, config)
+        model_room(path, config, env, rows)
+    if stage in ("sft", "grpo"):
+        launchers(path, config, here=True)
+    if stage == "serving":
+        gpu_profiles(path, config)
+        heads, kv_heads, _ = model_shape(path, config)
+        _check_tensor_parallel(path, config.serving.tensor_parallel_size, heads, kv_heads)
+
+
+def environment(path: Path, config: PipelineConfig) -> tuple[Any, dict[str, list[dict]]]:
+    """The environment and its splits, checked: its options, its rows, the SFT stop's
+    validation share of them, the reward channels and guardrails the GRPO stages name."""
+    env, rows = _built_env(path, config)
+    _check_stop_when(path, config, len(rows["train"]))
+    _check_grpo_names(path, config)
+    return env, rows
+
+
+def model_room(path: Path, config: PipelineConfig, env, rows: dict[str, list[dict]]) -> int:
+    """The model against the data: a chat template where `data.chat` asks for one, heads
+    that split over the serving GPUs, positions for the longest prompt and what follows
+    it. The longest prompt's characters."""
+    heads, kv_heads, positions = model_shape(path, config)
+    longest = prompt_chars(config, env, rows, check_chat=lambda: _check_chat(path, config))
+    _check_tensor_parallel(path, config.serving.tensor_parallel_size, heads, kv_heads)
+    _check_lengths(path, config, longest, positions)
+    return longest
+
+
+def launchers(path: Path, config: PipelineConfig, *, here: bool) -> None:
+    """Every training stage's launcher and vLLM options (posttrain.machine); `here`: also
+    against this machine."""
+    from posttrain import machine
+
+    machine.check(path, config, here=here)
+
+
+def _built_env(path: Path, config: PipelineConfig) -> tuple[Any, dict[str, list[dict]]]:
+    """The environment, its options checked against its own schema, and its splits (the
+    data the other checks measure)."""
+    from posttrain.envs import env_factory, get_env, options_schema
+    from posttrain.plugins import PluginError, check_custom, plugin_failures
+
+    check_custom(Path.cwd())  # where import paths find the user's code: before any of it is read
+    try:
+        with plugin_failures(config.data.env):  # what the user's environment raises: one line, its own frame
+            env = get_env(config.data.env, **config.data.options)
+            splits = env.generate(config.seed)  # new data only adds to the training split
+    except ValidationError as err:
+        schema = options_schema(env_factory(config.data.env))
+        raise schema_error(str(path), err, ("data", "options"), sorted(schema.model_fields) if schema else None) from None
+    except OptionError as err:
+        raise UserError(f"{path}: data.options.{err.option}", err.problem, err.fix) from None
+    except PluginError as err:
+        raise UserError(f"{path}: data.env", err.problem, err.fix) from None
+    problem = splits_problem(splits)
+    if problem:
+        raise UserError(f"{path}: data.env", f"{show(config.data.env)}'s generate(seed) {problem}",
+                        "return {'train': [...], 'heldout': [...]}, rows with string prompt, completion and answer "
+                        "(posttrain/envs/base.py)")
+    return env, splits
+
+
+def splits_problem(splits) -> str | None:
+    """What is wrong with an environment's splits, or None."""
+    if not isinstance(splits, dict) or not {"train", "heldout"} <= splits.keys():
+        return f"returned a {type(splits).__name__} without 'train' and 'heldout'"
+    for name in ("train", "heldout"):
+        rows = splits[name]
+        if not isinstance(rows, list) or not rows:
+            return f"gave no {name} rows"
+        bad = next((r for r in rows if not isinstance(r, dict) or not all(
+            isinstance(r.get(k), str) for k in ("prompt", "completion", "answer"))), None)
+        if bad is not None:
+            return f"gave a {name} row without string prompt, completion and answer: {show(bad)}"
+    return None
+
+
+def _check_stop_when(path: Path, config: PipelineConfig, train_rows: int) -> None:
+    stop = config.sft.stop_when
+    if stop is not None and stop.validation_size > train_rows // 2:
+        raise UserError(f"{path}: sft.stop_when.validation_size", f"{stop.validation_size} of the "
+                        f"{train_rows} training rows leaves too few to train on", f"use at most {train_rows // 2}")
+
+
+def _check_grpo_names(path: Path, config: PipelineConfig) -> None:
+    """Reward channels and guardrails name entries of their registries."""
+    from posttrain.plugins import PluginError
+    from posttrain.rewards import guardrail, reward_channel
+
+    for stage_name, stage in config.grpo.items():
+        for kind, names, resolve in [("rewards", stage.rewards, reward_channel), ("guardrails", stage.guardrails, guardrail)]:
+            for name in names:
+                try:
+                    resolve(name)
+                except PluginError as err:
+                    raise UserError(f"{path}: grpo.{stage_name}.{kind}", err.problem, err.fix) from None
+
+
+def gpu_profiles(path: Path, config: PipelineConfig) -> None:
+    """The GPU profiles the config names exist: in gpus.yaml beside the config, else the
+    package's, so a profile is never skipped."""
+    from posttrain.profiles import load_profiles, profiles_path
+
+    serving = config.serving
+    gpus = profiles_path(path.parent)
+    profiles = load_profiles(gpus)
+    for field, gpu in [("serving.gpu", serving.gpu), ("serving.slo.gpu", serving.slo.gpu),
+                       ("training.gpu", config.training.gpu)]:
+        if gpu is not None and gpu not in profiles:
+            raise UserError(f"{path}: {field}", f"unknown GPU profile {show(gpu)} in {gpus}", f"use one of {sorted(profiles)}")
+
+
+def prompt_chars(config: PipelineConfig, env=None, rows: dict[str, list[dict]] | None = None, *,
+                 check_chat=None) -> int:
+    """Characters of the longest prompt of every split, inside the chat template with
+    `data.chat` (an upper bound of its tokens); the environment's splits are generated
+    when not given."""
+    if env is None:
+        from posttrain.envs import get_env
+        from posttrain.plugins import plugin_refusal
+
+        with plugin_refusal("data.env", config.data.env):  # the user's environment: one line if it raises
+            env = get_env(config.data.env, **config.data.options)
+            rows = env.generate(config.seed)
+    chat = check_chat() if check_chat else config.data.chat
+    if chat:  # the prompt as generation sees it
+        return _longest_rendered(config, getattr(env, "system", None), rows)
+    return max(len(r["prompt"]) for split in rows.values() for r in split)
+
+
+def _check_chat(path: Path, config: PipelineConfig) -> bool:
+    """`data.chat` needs a model whose tokenizer carries a chat template; whether it is on."""
+    if not config.data.chat:
+        return False
+    if config.model.path is None:
+        raise UserError(f"{path}: data.chat", "the tiny built-in model has no chat template",
+                        "set model.path to a chat model's folder, or data.chat: false")
+    from posttrain.chat import chat_template
+
+    if chat_template(config.model.path) is None:
+        raise UserError(f"{path}: data.chat", f"the tokenizer in {show(config.model.path)} has no chat template "
+                        "(no chat_template in tokenizer_config.json, no chat_template.jinja)",
+                        "use a chat (instruct) model's folder, add its template, or set data.chat: false")
+    return True
+
+
+def _longest_rendered(config: PipelineConfig, system: str | None, rows: dict[str, list[dict]]) -> int:
+    """Characters of the longest prompt once the chat template wraps it (an upper bound
+    of its tokens, as for plain prompts)."""
+    from posttrain.chat import load_tokenizer, render
+
+    longest = max((r for split in rows.values() for r in split), key=lambda r: len(r["prompt"]))
+    try:
+        tokenizer = load_tokenizer(str(Path(config.model.path).resolve()))
+        return len(render([longest], tokenizer, system)[0]["prompt"])
+    except Exception as err:  # the tokenizer's or its template's own reason (a system turn it refuses, ...)
+        raise UserError(f"{config.model.path}: chat template", f"cannot render a prompt: {type(err).__name__}: "
+                        f"{' '.join(str(err).split())[:200]}", "fix the template, drop data.options.system if the "
+                        "template refuses a system turn, or set data.chat: false") from None
+
+
+def model_shape(path: Path, config: PipelineConfig) -> tuple[int, int, int]:
+    """(attention heads, KV heads, positions) of the model the pipeline starts from: the
+    tiny model's shape, or what `model.path`'s config.json says."""
+    tiny = config.model.tiny
+    if config.model.path is None:  # its heads divide evenly: posttrain.config checked that
+        return tiny.num_heads, tiny.num_kv_heads, tiny.max_positions
+    where = f"{path}: model.path"
+    config_json = Path(config.model.path) / "config.json"
+    if not config_json.is_file():
+        raise UserError(where, f"{show(config.model.path)} is not a local Hugging Face model folder (no config.json)",
+                        "point model.path at a folder saved with save_pretrained, or null")
+    try:
+        model = json.loads(read_text(config_json))
+    except json.JSONDecodeError as err:
+        raise UserError(where, f"{config_json} is not valid JSON ({err.msg} at line {err.lineno})",
+                        "save the model again with save_pretrained") from None
+    return _heads_and_positions(where, config_json, model)
+
+
+def _heads_and_positions(where: str, config_json: Path, model: Any) -> tuple[int, int, int]:
+    """(heads, KV heads, positions) from a Hugging Face config (its text part, for a
+    multimodal one), under the names decoder configs use."""
+    model = (model.get("text_config") or model) if isinstance(model, dict) else {}
+    heads = model.get("num_attention_heads") or model.get("n_head")
+    kv_heads = model.get("num_key_value_heads") or heads
+    positions = model.get("max_position_embeddings") or model.get("n_positions")
+    for name, value in [("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
+                        ("max_position_embeddings", positions)]:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(where, f"{config_json} has no positive integer {name}",
+                            "point model.path at a decoder model saved with save_pretrained")
+    return heads, kv_heads, positions
+
+
+def _check_tensor_parallel(path: Path, tp: int, heads: int, kv_heads: int) -> None:
+    """vLLM's rule: each GPU holds a whole number of attention heads, and KV heads are
+    split evenly or replicated evenly (tp a multiple of them)."""
+    def fits(t: int) -> bool:
+        return heads % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0)
+
+    if not fits(tp):
+        valid = [t for t in range(1, heads + 1) if fits(t)]
+        raise UserError(f"{path}: serving.tensor_parallel_size", f"{tp} GPUs cannot split the model's {heads} "
+                        f"attention heads and {kv_heads} KV heads evenly", f"use one of {valid}")
+
+
+def _check_lengths(path: Path, config: PipelineConfig, longest_prompt: int, positions: int) -> None:
+    """Generated tokens after the longest prompt fit the model's positions (rotary
+    positions have no hard end, so past it generation runs on, for hours). A prompt is
+    counted in characters: the tiny tokenizer's tokens, at most a real tokenizer's."""
+    lengths = [("evaluate.max_new_tokens", config.evaluate.max_new_tokens)]
+    lengths += [(f"grpo.{name}.trl.max_completion_length", stage.trl.get("max_completion_length"))
+                for name, stage in config.grpo.items()]
+    if longest_prompt >= positions:
+        raise UserError(f"{path}: data", f"prompts of up to {longest_prompt} characters leave no room in the model's "
+                        f"{positions} positions", "shorten the prompts (and the system prompt) or use a model with more "
+                        "positions")
+    for field, tokens in lengths:
+        if isinstance(tokens, int) and longest_prompt + tokens > positions:
+            raise UserError(f"{path}: {field}", f"{show(tokens)} tokens after a prompt of up to {longest_prompt} "
+                            f"exceed the model's {positions} positions", f"use at most {positions - longest_prompt}")
+
+

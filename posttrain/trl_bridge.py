@@ -1,0 +1,152 @@
+"""The bridge to TRL and peft: a stage's `trl:` / `peft:` block becomes TRL's `SFTConfig` /
+`GRPOConfig` or peft's `LoraConfig`. Blocks pass unchanged; their types are checked
+against the libraries' own annotations (plus the bounds in `TRL_BOUNDS`), and building
+the objects checks TRL's own invariants (e.g. whole groups of `num_generations` per
+batch) before training starts. Every refusal is one `UserError` line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import typing
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from posttrain.config import SEED_MAX, GRPOStage, PipelineConfig
+from posttrain.errors import UserError
+from posttrain.yamlfile import SHOWN_CHARS, schema_error
+
+# TRL options posttrain sets itself from dvc.yaml paths and tracking; users set them elsewhere.
+OWNED_TRL_KEYS = {"output_dir": "set by dvc.yaml", "report_to": "posttrain always logs to MLflow",
+                  "run_name": "set by the pipeline", "logging_dir": "set by dvc.yaml"}
+
+
+def check_trl_blocks(path: Path, config: PipelineConfig) -> None:
+    """Build SFTConfig / GRPOConfig from the `trl:` blocks, so TRL validates them now, and
+    the LoRA configs from the `peft:` blocks."""
+    from trl import GRPOConfig, SFTConfig
+
+    blocks = [("sft.trl", SFTConfig, config.sft.trl)]
+    blocks += [(f"grpo.{name}.trl", world_sized(GRPOConfig, config.stage_launcher(f"grpo@{name}")), grpo_trl_options(s))
+               for name, s in config.grpo.items()]
+    for field, cls, options in blocks:
+        build_trl_config(f"{path}: {field}", cls, options, output_dir="/nonexistent/posttrain-check")
+    peft = [("sft.peft", config.sft.peft)] + [(f"grpo.{name}.peft", s.peft) for name, s in config.grpo.items()]
+    for field, options in peft:
+        if options is not None:
+            build_lora_config(f"{path}: {field}", options)
+
+
+def world_sized(cls, launcher):
+    """`cls` as it validates on the launcher's processes x nodes ranks: TRL checks GRPO's
+    batches against the world size (whole groups of `num_generations` per global batch),
+    which is 1 in the process that checks the config."""
+    world = launcher.processes * launcher.nodes
+    return cls if world == 1 else _with_world_size(cls, world)
+
+
+@functools.cache
+def _with_world_size(cls, world: int):
+    return type(cls.__name__, (cls,), {"world_size": property(lambda self: world), "__module__": cls.__module__})
+
+
+def build_lora_config(where: str, options: dict):
+    """`peft.LoraConfig(**options)`; an option LoRA does not know names the nearest valid
+    one, an invalid value is one line (`UserError`)."""
+    from peft import LoraConfig
+
+    known = {f.name for f in dataclasses.fields(LoraConfig) if f.init}
+    for key in options:
+        if key not in known:
+            hint = difflib.get_close_matches(str(key), known, n=3, cutoff=0.4)
+            fix = f"did you mean {' or '.join(map(repr, hint))}?" if hint else \
+                f"use LoraConfig's options, e.g. {['r', 'lora_alpha', 'lora_dropout', 'target_modules']}"
+            raise UserError(f"{where}.{str(key)[:SHOWN_CHARS]}", "unknown LoraConfig option", fix)
+    try:
+        trl_schema(LoraConfig).model_validate(options)
+    except ValidationError as err:
+        file, _, block = where.rpartition(": ")
+        raise schema_error(file, err, tuple(block.split("."))) from None
+    try:
+        return LoraConfig(**options)
+    except (ValueError, TypeError) as err:
+        raise UserError(where, " ".join(str(err).split())[:300], "adjust the LoRA options as the message says") from None
+
+
+def grpo_trl_options(stage: GRPOStage) -> dict:
+    """The stage's `trl:` block plus what its reward channels imply: channel weights, and
+    per-channel normalisation (GDPO) when there are several, unless the block says otherwise."""
+    options = {"reward_weights": list(stage.rewards.values())}
+    if len(stage.rewards) > 1:
+        options["multi_objective_aggregation"] = "normalize_then_sum"
+    return {**options, **stage.trl}
+
+
+def device_defaults() -> dict:
+    """TRL defaults to bf16, which a machine without CUDA rejects: there, train in fp32
+    on the CPU unless the config says otherwise."""
+    import torch
+
+    return {} if torch.cuda.is_available() else {"use_cpu": True, "bf16": False}
+
+
+def build_trl_config(where: str, cls, options: dict, **owned):
+    """`cls(**defaults, **options, **owned)`; unknown or invalid options become `UserError`."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in options:
+        if key in OWNED_TRL_KEYS:
+            raise UserError(f"{where}.{key}", f"posttrain sets this option ({OWNED_TRL_KEYS[key]})", "remove it")
+        if key not in known:
+            hint = difflib.get_close_matches(str(key), known, n=1)
+            fix = f"did you mean {hint[0]!r}?" if hint else f"see the {cls.__name__} documentation"
+            raise UserError(f"{where}.{str(key)[:SHOWN_CHARS]}", f"unknown {cls.__name__} option", fix)
+    try:
+        trl_schema(cls).model_validate(options)
+    except ValidationError as err:
+        file, _, block = where.rpartition(": ")  # `file: sft.trl` -> the option at `file: sft.trl.<key>`
+        raise schema_error(file, err, tuple(block.split("."))) from None
+    try:
+        return cls(**{**device_defaults(), **options}, **owned)
+    except (ValueError, TypeError) as err:
+        message = " ".join(str(err).split())
+        raise UserError(where, message[:300], f"adjust the {cls.__name__} options as the message says") from None
+
+
+# Bounds TRL's dataclasses do not check (a batch of 0 or a negative learning rate fail
+# only mid-training); applied to whichever of SFTConfig / GRPOConfig has the option.
+TRL_BOUNDS = {
+    "learning_rate": {"gt": 0}, "num_train_epochs": {"gt": 0}, "max_steps": {"ge": -1},
+    "per_device_train_batch_size": {"ge": 1}, "per_device_eval_batch_size": {"ge": 1},
+    "gradient_accumulation_steps": {"ge": 1}, "warmup_steps": {"ge": 0}, "warmup_ratio": {"ge": 0, "le": 1},
+    "weight_decay": {"ge": 0}, "max_grad_norm": {"ge": 0}, "logging_steps": {"gt": 0}, "save_steps": {"gt": 0},
+    "eval_steps": {"gt": 0}, "max_length": {"ge": 1},
+    "max_completion_length": {"ge": 1}, "num_generations": {"ge": 2}, "num_iterations": {"ge": 1},
+    "temperature": {"gt": 0}, "top_p": {"gt": 0, "le": 1}, "top_k": {"ge": 0}, "beta": {"ge": 0},
+    "seed": {"ge": 0, "le": SEED_MAX}, "data_seed": {"ge": 0, "le": SEED_MAX},
+    # peft.LoraConfig (schema built the same way)
+    "r": {"ge": 1}, "lora_alpha": {"gt": 0}, "lora_dropout": {"ge": 0, "lt": 1},
+}
+
+
+def _plain(hint):
+    """`hint`, or Any where it names a nested config dataclass (peft's ArrowConfig, ...):
+    the library checks those itself."""
+    def nested(t) -> bool:
+        return (isinstance(t, type) and dataclasses.is_dataclass(t)) or any(nested(a) for a in typing.get_args(t))
+    return Any if nested(hint) else hint
+
+
+@functools.cache
+def trl_schema(cls) -> type[BaseModel]:
+    """A pydantic model of `cls`'s options from TRL's (or peft's) own annotations, strict (YAML reads
+    `1e-3` as a string: it must not reach the optimizer) and bounded by TRL_BOUNDS."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: (Annotated[_plain(hints[f.name]), Field(**TRL_BOUNDS.get(f.name, {}))] | None, None)
+              for f in dataclasses.fields(cls) if f.init}
+    # no inf or nan: `beta: .inf` is valid YAML and a valid float, and no TRL option means it
+    return create_model(f"{cls.__name__}Options", __config__=ConfigDict(strict=True, extra="allow", allow_inf_nan=False),
+                        **fields)

@@ -1,0 +1,100 @@
+"""The package's import graph, read from the source (`ast`: imports inside functions
+count, as they run all the same): no circle among posttrain's modules, the config module
+imports nothing above it, and the library never imports the flows or the tasks.
+
+`from package import module` is an edge to that module (its package's `__init__` runs
+first whatever is imported, which is no dependency on the package's own names).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# what the config (posttrain/config.py, data only) may import of the package: leaves
+CONFIG_IMPORTS = {"posttrain.errors", "posttrain.modelconfig", "posttrain.yamlfile"}
+
+
+def modules(package: str = "posttrain") -> dict[str, Path]:
+    """Module name -> file, for every module of `package`."""
+    found = {}
+    for path in sorted((REPO / package).rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The modules (of `known`, or top-level names outside it) that `name` imports."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(filter(None, [package.rsplit(".", node.level - 1)[0] if node.level else "", node.module]))
+            subs = [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in known]
+            candidates = subs + ([base] if len(subs) < len(node.names) else [])
+        else:
+            continue
+        for candidate in candidates:
+            while candidate not in known and "." in candidate:
+                candidate = candidate.rpartition(".")[0]
+            targets.add(candidate)
+    return targets - {name}
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imported(name, path, known) & known.keys() for name, path in known.items()}
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on.add(node)
+        for nxt in sorted(edges[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while not group or group[-1] != node:
+                group.append(stack.pop())
+                on.discard(group[-1])
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circle_in_the_package():
+    assert circles(graph()) == [], "modules that import each other (break the circle)"
+
+
+def test_the_config_is_data():
+    """posttrain.config parses, merges and validates: it imports no module above it
+    (no environment, model, machine, TRL bridge or stage host)."""
+    edges = graph()
+    assert edges["posttrain.config"] <= CONFIG_IMPORTS, sorted(edges["posttrain.config"] - CONFIG_IMPORTS)
+
+
+def test_the_library_never_imports_flows_or_tasks():
+    known = modules()
+    upward = {name: sorted(t for t in imported(name, path, known) if t.split(".")[0] in ("flows", "tasks"))
+              for name, path in known.items()}
+    assert {name: found for name, found in upward.items() if found} == {}
+
+
+def test_the_circle_check_finds_a_circle():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
