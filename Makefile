@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: install run test test-fast repro bench bench-throughput bench-scaling bench-seeds clean
+.PHONY: install run test test-fast docs repro bench bench-throughput bench-scaling bench-seeds clean
 
 install: $(VENV)/.installed
 
@@ -37,6 +37,11 @@ test: install
 
 test-fast: install
 	$(BIN)/pytest -m "not slow"
+
+# docs/config.md from the schema's field descriptions (tests/test_docs.py fails when it is stale)
+docs: install
+	$(BIN)/python -m posttrain.config_reference > docs/config.md.new
+	mv docs/config.md.new docs/config.md
 
 # the last run's wall time: the stages' own compute against everything else
 bench: install

@@ -50,7 +50,7 @@ class TinyModel(Section):
 
 class ModelSection(Section):
     path: str | None = Field(None, description="Local Hugging Face model folder; null builds the tiny model.")
-    tiny: TinyModel = TinyModel()
+    tiny: TinyModel = Field(TinyModel(), description="Shape of the tiny Llama built when `path` is null.")
 
 
 class DataSection(Section):
@@ -156,7 +156,8 @@ class GRPOStage(Section):
     guardrails: list[str] = Field(default_factory=list, description="Hard rules (posttrain.rewards.GUARDRAILS, or "
                                   "import paths): "
                                   "a completion that breaks one gets the minimum reward.")
-    pass_rate_filter: PassRateFilter = PassRateFilter()
+    pass_rate_filter: PassRateFilter = Field(PassRateFilter(), description="Which training prompts the stage "
+                                             "keeps: those its starting model neither always nor never solves.")
     trl: dict[str, Any] = Field(default_factory=dict, description="Passed to trl.GRPOConfig unchanged.")
     peft: dict[str, Any] | None = Field(None, description="LoRA: options of peft.LoraConfig (r, lora_alpha, "
                                        "target_modules, ...); the stage outputs the merged model and the adapter.")
@@ -217,9 +218,9 @@ class ServingSection(Section):
     block_size: int = Field(16, gt=0, description="Tokens per KV block (vLLM's GPU default).")
     session_lengths: list[int] = Field([256, 512, 1024, 2048, 4096, 8192], min_length=1,
                                        description="A sample of session lengths (tokens) for the paging report.")
-    slo: ServingSLO = ServingSLO()
-    vllm_check: VLLMCheck = VLLMCheck()
-    load_test: LoadTest = LoadTest()
+    slo: ServingSLO = Field(ServingSLO(), description="The serving target the final model must meet.")
+    vllm_check: VLLMCheck = Field(VLLMCheck(), description="The prediction checked against real vLLM.")
+    load_test: LoadTest = Field(LoadTest(), description="A load test behind vLLM's OpenAI server.")
 
 
 class EvaluateSection(Section):
@@ -330,19 +331,23 @@ class OrchestrationSection(Section):
 
 class PipelineConfig(Section):
     seed: int = Field(0, ge=0, le=SEED_MAX, description="Seed for data, model init, training and sampling.")
-    model: ModelSection = ModelSection()
-    data: DataSection = DataSection()
-    launcher: LauncherSection = LauncherSection()
-    training: TrainingSection = TrainingSection()
-    sft: SFTSection = SFTSection()
+    model: ModelSection = Field(ModelSection(), description="The base model: a local folder, or the tiny model.")
+    data: DataSection = Field(DataSection(), description="The task: its environment, options and prompt format.")
+    launcher: LauncherSection = Field(LauncherSection(), description="How SFT and GRPO train (processes, "
+                                      "nodes); a stage's own `launcher` replaces it.")
+    training: TrainingSection = Field(TrainingSection(), description="The GPUs SFT and GRPO train on, for the "
+                                      "memory check.")
+    sft: SFTSection = Field(SFTSection(), description="The SFT warmup.")
     grpo: dict[str, GRPOStage] = Field(..., min_length=1, description="GRPO stages by name, run in order.")
-    gate: GateSection = GateSection()
-    serving: ServingSection = ServingSection()
-    evaluate: EvaluateSection = EvaluateSection()
-    promotion: PromotionSection = PromotionSection()
-    stats: StatsSection = StatsSection()
-    tracking: TrackingSection = TrackingSection()
-    orchestration: OrchestrationSection = OrchestrationSection()
+    gate: GateSection = Field(GateSection(), description="The held-out gate after each GRPO stage.")
+    serving: ServingSection = Field(ServingSection(), description="The serving-capacity check of the final model.")
+    evaluate: EvaluateSection = Field(EvaluateSection(), description="The held-out evaluation of every model.")
+    promotion: PromotionSection = Field(PromotionSection(), description="Registering the final model; champion "
+                                        "or challenger.")
+    stats: StatsSection = Field(StatsSection(), description="Intervals and significance tests.")
+    tracking: TrackingSection = Field(TrackingSection(), description="Where MLflow records the runs.")
+    orchestration: OrchestrationSection = Field(OrchestrationSection(), description="Prefect's handling of a "
+                                                "failed stage.")
 
     def stage_section(self, stage: StageId | str) -> SFTSection | GRPOStage:
         """The section of training stage `stage` (`sft` or `grpo@NAME`)."""
