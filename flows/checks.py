@@ -12,10 +12,11 @@ from posttrain import stagehost
 from posttrain.errors import UserError
 
 
-def checked_in_host(path: str | Path) -> str | None:
-    """`posttrain check` of `path` done by the run's stage host: what `fit.check` said, a
-    `UserError` as the check raised it, or None when no host did it (check here)."""
-    done = stagehost.run_json(["check", "--config", str(path), "--as-json"])
+def checked_in_host(path: str | Path, cwd: str | None = None) -> str | None:
+    """`posttrain check` of `path` done by the run's stage host in folder `cwd` (default:
+    this process's): what `fit.check` said, a `UserError` as the check raised it, or None
+    when no host did it (check here)."""
+    done = stagehost.run_json(["check", "--config", str(path), "--as-json"], cwd=cwd)
     if done is None or done[0] not in (0, 2):
         return None
     code, answer = done
@@ -24,16 +25,14 @@ def checked_in_host(path: str | Path) -> str | None:
     return answer["fits"]
 
 
-def checked_here(path: str | Path, config) -> str:
-    """`posttrain check` of `path` in this process: every preflight check against this
-    machine, then whether each training stage fits `training.gpu` (posttrain.fit)."""
-    from posttrain import fit, preflight
+def full_check(workdir: str, path: str | Path) -> str:
+    """`posttrain check` of workspace `workdir`'s config `path`: by the run's stage host
+    when one answers (in the workspace's folder), else here."""
+    from posttrain import cli
+    from posttrain.plugins import workspace
 
-    chars = preflight.everything(path, config, here=True)
-    return fit.check(path, config, prompt_chars=chars)
-
-
-def full_check(path: str | Path, config) -> str:
-    """`posttrain check` of `path`: by the run's stage host when one answers, else here."""
-    fits = checked_in_host(path)
-    return checked_here(path, config) if fits is None else fits
+    fits = checked_in_host(path, cwd=workdir)
+    if fits is not None:
+        return fits
+    with workspace(workdir):
+        return cli.full_check(str(path), here=True)

@@ -106,9 +106,8 @@ def run_checked_workspace(args, workdir: str) -> None:
     with lock(workdir, log=lambda message: print(message, file=sys.stderr, flush=True)):
         if args.config:
             workspace.prepare(workdir, read_config_dict(Path(args.config)))
-        os.chdir(workdir)  # from here on, the config's paths and imports (custom/) are the workspace's
         # bad rows: exit 2 here (the config's trl: blocks were checked above)
-        check_incoming(workdir, PARAMS_FILE)
+        check_incoming(workdir, os.path.join(workdir, PARAMS_FILE))
         from flows import ephemeral_api
         from flows.retrain import retrain
         from tasks.display import quiet_stage_failures
@@ -126,14 +125,15 @@ def check_incoming(workdir: str, config_path: str) -> None:
     it and its frame). Nothing is read when nothing waits."""
     from posttrain import ingest, preflight
     from posttrain.config import load_config
-    from posttrain.plugins import plugin_refusal
+    from posttrain.plugins import plugin_refusal, workspace
 
     if not ingest.pending(workdir):
         return
     config = load_config(config_path)
-    preflight.environment(Path(config_path), config)
-    with plugin_refusal(f"{config_path}: data.env", config.data.env):
-        ingest.check_pending(workdir, config)
+    with workspace(workdir):  # the config's paths and imports (custom/) are the workspace's
+        preflight.environment(Path(config_path), config)
+        with plugin_refusal(f"{config_path}: data.env", config.data.env):
+            ingest.check_pending(workdir, config)
 
 
 def quick_nothing_to_do(workdir: str) -> str | None:
@@ -180,9 +180,7 @@ def servers_and_config(command: str, config_path: str, *, temporary_prefect: boo
     check_prefect(env_prefect, command=command, temporary_ok=temporary_prefect)
     config = load_config(config_path)
     if command != "run" or checked_meanwhile(config_path) is None:  # by the run's stage host, else here
-        from flows.checks import checked_here
-
-        checked_here(config_path, config)  # every training stage fits training.gpu: before any server or compute
+        cli.full_check(config_path, here=True)  # every training stage fits training.gpu: before any server or compute
     if not env_tracking:
         check_tracking(config.tracking.uri, command=command, source=f"tracking.uri in {config_path}")
     if not env_prefect:

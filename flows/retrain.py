@@ -9,7 +9,6 @@ it says so): a stage is one task run named after it (its MLflow child run, `dvc 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -19,6 +18,7 @@ from flows.lock import lock
 from posttrain import stageid, summary
 from posttrain.config import load_config
 from posttrain.layout import PARAMS_FILE
+from posttrain.plugins import workspace
 from posttrain.tracking import nothing_to_do, tracking_uri
 from tasks.data import previous_result, version_data
 from tasks.dvc_stages import own_model_prefix, pipeline_stage, push_data, stage_host, stage_order
@@ -41,11 +41,11 @@ def retrain(workdir: str = ".", checked: bool = False) -> dict:
     """
     logger = get_run_logger()
     workdir = str(Path(workdir).resolve())
-    os.chdir(workdir)  # what the config names by path or import (custom/) is the workspace's, as in its stages
-    with lock(workdir, log=logger.warning), stage_host(workdir):
+    # what the config names by path or import (custom/) is the workspace's, as in its stages
+    with lock(workdir, log=logger.warning), stage_host(workdir), workspace(workdir):
         config = load_config(Path(workdir) / PARAMS_FILE)
         if not checked:
-            full_check(Path(workdir) / PARAMS_FILE, config)
+            full_check(workdir, Path(workdir) / PARAMS_FILE)
         uri = tracking_uri(config, workdir)
         mark_dead_runs(workdir, uri)
         added = version_data(workdir, config)

@@ -156,13 +156,8 @@ def dispatch(args) -> int:
 def check_config(args) -> int:
     """`posttrain check`. With the hidden --as-json (a stage host's answer to
     flows.checks.checked_in_host) the outcome, or the refusal, is one JSON line on stdout."""
-    from posttrain import fit, preflight
-    from posttrain.config import load_config
-
     try:
-        config = load_config(args.config)
-        chars = preflight.everything(args.config, config, here=not args.elsewhere)
-        fits = fit.check(args.config, config, prompt_chars=chars)
+        fits = full_check(args.config, here=not args.elsewhere)
     except UserError as err:
         if not args.as_json:
             raise
@@ -173,6 +168,20 @@ def check_config(args) -> int:
     else:
         print(f"{args.config}: ok{'; ' + fits if fits else ''}{' (this machine not checked)' if args.elsewhere else ''}")
     return 0
+
+
+def full_check(config_path: str, *, here: bool) -> str:
+    """What `posttrain check` checks: the config (posttrain.config), every preflight check
+    (`here`: against this machine too), TRL's own of the `trl:` and `peft:` blocks, and
+    whether each training stage fits `training.gpu`; what the fit said."""
+    from posttrain import fit, preflight
+    from posttrain.config import load_config
+    from posttrain.trl_bridge import check_trl_blocks
+
+    config = load_config(config_path)
+    chars = preflight.everything(config_path, config, here=here)
+    check_trl_blocks(Path(config_path), config)
+    return fit.check(config_path, config, prompt_chars=chars)
 
 
 def run_stage(args) -> None:
@@ -304,6 +313,7 @@ def print_pipeline_memory(args) -> None:
     from posttrain import preflight
     from posttrain.config import load_config
     from posttrain.fit import pipeline_plan
+    from posttrain.trl_bridge import check_trl_blocks
 
     defaults = vars(build_parser().parse_args(["memory"]))
     given = [f"--{a.replace('_', '-')}" for a in ("model", "method", "zero", "gpus", "nodes", "offload_optimizer",
@@ -314,6 +324,7 @@ def print_pipeline_memory(args) -> None:
                         "leave out the flag, or change the config (training.gpu, the stage's trl:, peft:, launcher:)")
     config = load_config(args.config)
     chars = preflight.everything(args.config, config, here=False)
+    check_trl_blocks(Path(args.config), config)
     figures = pipeline_plan(config, config_path=args.config, prompt_chars=chars)
     if args.json:
         print(json.dumps(figures, sort_keys=True))

@@ -1,10 +1,12 @@
 """Code a user plugs in by name: `package.module:attribute` import paths (as TRL's CLI
 takes reward functions) and installed entry points.
 
-Import paths resolve with the current folder first on Python's path, as under
-`python -m posttrain stage` (the stages' command, run in the workspace): a workspace
+Import paths resolve with the workspace's folder first on Python's path: a workspace
 keeps its own modules in `custom/` (`custom.mytask:make_env`), versioned by git and a
 DVC dependency of every stage that runs them (dvc.yaml), so editing one reruns them.
+The workspace is the current folder of a stage process (DVC runs it there), and the one
+a caller names with `workspace(root)` elsewhere (the flow, which never changes folder):
+relative paths the config gives are resolved against it too (`resolve`).
 
 A config is code the user runs, but an import path names a plug-in: a function or class
 of the user's own module or of an installed package, never the standard library or
@@ -17,6 +19,7 @@ plug-in and its own last frame.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import functools
 import importlib
@@ -45,6 +48,31 @@ PLUGIN_PACKAGES: set[str] = set()  # top-level packages of the plug-ins loaded h
 _STUCK: dict[str, str] = {}  # modules whose import did not finish in time -> where it waited
 
 
+_WORKSPACE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("posttrain_workspace", default=None)
+
+
+def workspace_root() -> Path:
+    """The workspace whose code and files the config names: the one `workspace(root)`
+    named, else the current folder (a stage process runs in its workspace)."""
+    return _WORKSPACE.get() or Path.cwd()
+
+
+@contextlib.contextmanager
+def workspace(root: str | Path):
+    """Within the block (this thread, and the Prefect tasks it runs), `root` is the
+    workspace: its `custom/` is imported first, relative config paths are its."""
+    token = _WORKSPACE.set(Path(root).resolve())
+    try:
+        yield
+    finally:
+        _WORKSPACE.reset(token)
+
+
+def resolve(path: str | Path) -> Path:
+    """A path the config gives, as the workspace sees it (relative ones are its)."""
+    return workspace_root() / path
+
+
 class PluginError(ValueError):
     """A name that does not load: what went wrong and the fix (the caller adds the field)."""
 
@@ -64,8 +92,8 @@ def is_import_path(name: str) -> bool:
 
 
 @contextlib.contextmanager
-def _current_folder_first():
-    here = os.getcwd()
+def _workspace_first():
+    here = str(workspace_root())
     added = here not in sys.path
     if added:
         sys.path.insert(0, here)
@@ -85,13 +113,13 @@ def load_import_path(path: str):
         raise PluginError(f"{show(path)} is not an import path", "write it as package.module:attribute")
     module_name, _, attribute = path.partition(":")
     _check_module_name(path, module_name)
-    with _current_folder_first():
+    with _workspace_first():
         try:
             obj = import_in_time(module_name)
         except (UserError, PluginError):  # the time limit's
             raise
         except (Exception, SystemExit) as err:  # whatever the user's module raises on import, as one line
-            where = f" (looked in {os.getcwd()}, then sys.path)" if isinstance(err, ModuleNotFoundError) else ""
+            where = f" (looked in {workspace_root()}, then sys.path)" if isinstance(err, ModuleNotFoundError) else ""
             frame = "" if isinstance(err, ImportError) else plugin_frame(err.__traceback__, module_name)
             raise PluginError(f"import of {show(module_name)} failed: {describe(err)}{frame}{where}",
                               f"make {show(module_name)} importable from the workspace (e.g. {CUSTOM_DIR}/...py) "
@@ -279,9 +307,9 @@ def _custom_entry_mode(path: Path, root: Path) -> int:
 
 
 def _shown(path: Path) -> str:
-    """`path` relative to the current folder when it is under it (how the user names it)."""
+    """`path` relative to the workspace when it is under it (how the user names it)."""
     with contextlib.suppress(ValueError):
-        return str(path.relative_to(Path.cwd()))
+        return str(path.relative_to(workspace_root()))
     return str(path)
 
 
@@ -315,7 +343,7 @@ def _deepest_plugin_frame(frames, module_name: str | None) -> str:
     frame, line = mine[-1]
     path = Path(frame.f_code.co_filename)
     with contextlib.suppress(ValueError):
-        path = path.relative_to(Path.cwd())
+        path = path.relative_to(workspace_root())
     return f" at {path}:{line} in {frame.f_code.co_name} ({frame.f_globals['__name__']})"
 
 

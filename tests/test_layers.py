@@ -13,7 +13,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # what the config (posttrain/config.py, data only) may import of the package: leaves
-CONFIG_IMPORTS = {"posttrain.errors", "posttrain.modelconfig", "posttrain.yamlfile"}
+CONFIG_IMPORTS = {"posttrain.errors", "posttrain.modelconfig", "posttrain.stageid", "posttrain.yamlfile"}
 
 
 def modules(package: str = "posttrain") -> dict[str, Path]:
@@ -98,3 +98,20 @@ def test_the_library_never_imports_flows_or_tasks():
 
 def test_the_circle_check_finds_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# Where a process may change folder: a child that takes on its caller's folder and runs
+# nothing else (a forked stage, a launched rank). The flow, the CLI and the library name
+# the workspace instead (posttrain.plugins.workspace, explicit paths).
+CHDIR_ALLOWED = {"posttrain/stagehost.py": "the host's forked child takes on its client's folder",
+                 "posttrain/launch.py": "a rank process takes on the stage's folder"}
+
+
+def test_no_chdir_outside_a_child_process():
+    found = {}
+    for package in ("posttrain", "flows", "tasks"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr in ("chdir", "fchdir"):
+                    found.setdefault(path.relative_to(REPO).as_posix(), node.lineno)
+    assert {p: line for p, line in found.items() if p not in CHDIR_ALLOWED} == {}

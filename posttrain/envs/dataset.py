@@ -47,7 +47,7 @@ from posttrain.envs.base import EnvOptions
 from posttrain.envs.mathverify import MAX_LATEX_DEPTH, MathLimit
 from posttrain.errors import OptionError, invalid
 from posttrain.files import json_lines
-from posttrain.plugins import CUSTOM_DIR
+from posttrain.plugins import CUSTOM_DIR, resolve, workspace_root
 
 VERIFIERS = ("exact", "numeric", "math", "choice", "regex")
 _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
@@ -158,9 +158,9 @@ class DatasetEnv:
     def read(self, split: str) -> list[dict]:
         """One file's rows; OptionError (naming the file and line) for a row no verifier can
         use, and, in the training file, for an SFT target a user pattern runs too long on."""
-        path, kind = self._located(split)
-        stat = path.stat()
-        table, lines = _load(kind, str(path.resolve()), stat.st_mtime_ns, stat.st_size, split, str(path))
+        path, kind = self._located(split)  # as the config gives it, from the workspace
+        stat = resolve(path).stat()
+        table, lines = _load(kind, str(resolve(path).resolve()), stat.st_mtime_ns, stat.st_size, split, str(path))
         lines = lines if lines and len(lines) == len(table) else None  # else rows, as datasets counts them
         columns = set(table.column_names)
         for field in ("prompt_field", "answer_field"):
@@ -190,15 +190,15 @@ class DatasetEnv:
         return rows
 
     def _located(self, split: str) -> tuple[Path, str]:
-        """The split's file and its `datasets` loader; OptionError unless it is a .jsonl,
-        .json or .parquet file in custom/."""
+        """The split's file (from the workspace) and its `datasets` loader; OptionError
+        unless it is a .jsonl, .json or .parquet file in custom/."""
         path = Path(getattr(self.options, split))
         if path.is_absolute() or ".." in path.parts or not path.parts or path.parts[0] != CUSTOM_DIR:
             raise OptionError(split, f"{str(path)[:200]!r} is not inside the workspace's {CUSTOM_DIR}/ folder",
                               f"put the file in {CUSTOM_DIR}/ (a DVC dependency of every stage) and give its path "
                               f"from the workspace, e.g. {CUSTOM_DIR}/{path.name[:80]}")
-        if not path.is_file():
-            raise OptionError(split, f"{str(path)[:200]} not found (from {Path.cwd()})",
+        if not resolve(path).is_file():
+            raise OptionError(split, f"{str(path)[:200]} not found (from {workspace_root()})",
                               "give the path of an existing .jsonl or .parquet file, from the workspace")
         kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix)
         if kind is None:
@@ -365,7 +365,7 @@ def _load(kind: str, path: str, mtime_ns: int, size: int, option: str, shown: st
     import datasets
 
     datasets.disable_progress_bars()
-    scratch = ".dvc/tmp" if Path(".dvc/tmp").is_dir() else None
+    scratch = resolve(".dvc/tmp") if resolve(".dvc/tmp").is_dir() else None
     with tempfile.TemporaryDirectory(prefix="posttrain-datasets-", dir=scratch) as cache:
         try:
             table = datasets.load_dataset(kind, data_files=path, split="train", keep_in_memory=True, cache_dir=cache)
