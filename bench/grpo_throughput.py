@@ -62,7 +62,7 @@ def bare_inputs(root: Path, ws: Path, name: str) -> tuple[Path, Path]:
     GRPOConfig options posttrain gives TRL, as files for bench/bare_grpo.py."""
     from posttrain.chat import grpo_rows
     from posttrain.config import load_config
-    from posttrain.trl_bridge import device_defaults, grpo_trl_options
+    from posttrain.training.trl_bridge import device_defaults, grpo_trl_options
     from posttrain.envs import get_env
     from posttrain.files import read_jsonl
     from posttrain.stages.grpo import filter_prompts

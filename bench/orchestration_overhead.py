@@ -4,7 +4,7 @@ Splits the run's wall time, from the start of the process that ran it (`posttrai
 or a Prefect worker's flow-run process) to the end of its MLflow parent run, into
 
 - each stage's own compute, as the stage timed it (`compute.<part>_seconds` on its child
-  run, posttrain.tracking.compute): training, the pass-rate filter's sampling, the
+  run, posttrain.tracking.mlflow_runs.compute): training, the pass-rate filter's sampling, the
   gates' evaluations, the evaluation's sampling, the vLLM start, check and load test;
 - everything else: before the parent run (process start, imports, Prefect's server, the
   lock, data versioning), inside each stage but outside its compute (the stage
@@ -24,8 +24,8 @@ from pathlib import Path
 import mlflow
 
 from posttrain.config import load_config
-from posttrain.crash import STARTED_TAG
-from posttrain.tracking import COMPUTE_PREFIX, tracking_uri
+from posttrain.runtime.dead_runs import STARTED_TAG
+from posttrain.tracking.mlflow_runs import COMPUTE_PREFIX, tracking_uri
 
 GOAL = 0.10
 

@@ -30,7 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from posttrain import stats, workspace  # noqa: E402
+from posttrain.scoring import stats
+from posttrain import workspace  # noqa: E402
 from posttrain.config import read_config_dict  # noqa: E402
 from posttrain.files import read_json  # noqa: E402
 

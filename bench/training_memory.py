@@ -1,4 +1,4 @@
-"""Measured peak memory of real TRL training steps against posttrain's plan (posttrain/memory.py).
+"""Measured peak memory of real TRL training steps against posttrain's plan (posttrain/capacity/memory.py).
 
 Each case runs two optimizer steps (the second holds the optimizer states throughout) of TRL's SFTTrainer or GRPOTrainer, in fp32 on the CPU,
 in a process of its own, on a Llama-shaped model with random weights. The peak is the
@@ -48,8 +48,8 @@ def one_case(size: str, case: str) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from posttrain.memory import Setup, plan
-    from posttrain.tiny_model import build_tokenizer
+    from posttrain.capacity.memory import Setup, plan
+    from posttrain.training.tiny_model import build_tokenizer
 
     method, checkpointing, beta, rank, seq = CASES[case]
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """The training-memory plan against a CUDA GPU: peak `torch.cuda.max_memory_allocated` of
 real TRL steps in bf16 on a Qwen2.5-0.5B-shaped model with random weights, next to the plan
-(posttrain/memory.py) for the same setup, and their ratio (goal: within 15%).
+(posttrain/capacity/memory.py) for the same setup, and their ratio (goal: within 15%).
 
 Each case runs two optimizer steps of TRL's SFTTrainer or GRPOTrainer (transformers
 generation) in a process of its own; the peak counts every live CUDA allocation, the
@@ -33,8 +33,8 @@ def one_case(case: str) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from posttrain.memory import Setup, plan
-    from posttrain.tiny_model import build_tokenizer
+    from posttrain.capacity.memory import Setup, plan
+    from posttrain.training.tiny_model import build_tokenizer
 
     method, checkpointing, beta, rank = CASES[case]
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from posttrain import stagehost
+from posttrain.runtime import stagehost
 from posttrain.errors import UserError
 
 

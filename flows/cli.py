@@ -148,7 +148,7 @@ def quick_nothing_to_do(workdir: str) -> str | None:
     from posttrain import ingest
     from posttrain.config import PipelineConfig, read_config_dict
     from posttrain.probe import http_problem
-    from posttrain.tracking import finished_run, nothing_to_do, tracking_uri
+    from posttrain.tracking.mlflow_runs import finished_run, nothing_to_do, tracking_uri
 
     try:
         if not Path(workdir, "dvc.yaml").is_file() or ingest.pending(workdir):
@@ -159,9 +159,9 @@ def quick_nothing_to_do(workdir: str) -> str | None:
             return None
         found = finished_run(workdir, config, uri)
         if found:  # under the lock, as the flow does: what a killed run left RUNNING is dead
-            from posttrain import crash
+            from posttrain.runtime import dead_runs
 
-            crash.mark_dead_runs(uri, os.path.abspath(workdir), f"process {os.getpid()} (posttrain run: nothing to do)")
+            dead_runs.mark_dead_runs(uri, os.path.abspath(workdir), f"process {os.getpid()} (posttrain run: nothing to do)")
     except Exception:  # noqa: BLE001 - any doubt: the full path checks and reports it
         return None
     return nothing_to_do(*found, uri) if found else None

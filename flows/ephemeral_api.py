@@ -25,7 +25,7 @@ import subprocess
 import threading
 import types
 
-from posttrain.lifetime import die_with_this_thread
+from posttrain.runtime.lifetime import die_with_this_thread
 
 
 class _Popen(subprocess.Popen):

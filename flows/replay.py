@@ -2,7 +2,7 @@
 
 A retrain run records the git commit of its workspace, the config file as written
 (artifact `params/pipeline.yaml`), the `dvc.lock` and data hashes, the seed and the
-package versions (posttrain.tracking.provenance). Replay clones the workspace at that
+package versions (posttrain.tracking.mlflow_runs.provenance). Replay clones the workspace at that
 commit into a scratch folder, restores the config, pulls the versioned data
 (`datasets/`) from the workspace's DVC remote, reruns every stage there (`dvc repro`,
 into a scratch MLflow store, so the recorded runs are not touched) and compares each
@@ -21,7 +21,7 @@ from pathlib import Path
 from posttrain.errors import ReplayError, UserError
 from posttrain.layout import PARAMS_FILE
 from posttrain.plugins import CUSTOM_DIR
-from posttrain.tracking import run_metrics, package_versions
+from posttrain.tracking.mlflow_runs import run_metrics, package_versions
 from posttrain.workspace import run_checked, stage_env, tool_path
 from tasks.dvc_stages import stage_metrics, stages
 
@@ -33,7 +33,7 @@ WALL_CLOCK = re.compile(r"(seconds|per_second|latency|throughput|_ms$|_s$|ttft|t
 
 def recorded_run(client, run_id: str):
     """The retrain parent run `run_id`; UserError when the store holds no such run."""
-    from posttrain.compare import get_run
+    from posttrain.tracking.compare import get_run
 
     where = f"posttrain replay {run_id}"
     run = get_run(client, run_id, where, "pass the 32-hex id of a retrain run (see `mlflow ui`)")

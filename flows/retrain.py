@@ -15,14 +15,15 @@ from prefect import flow, get_run_logger
 
 from flows.checks import full_check
 from flows.lock import lock
-from posttrain import stageid, summary
+from posttrain import stageid
+from posttrain.tracking import summary
 from posttrain.config import load_config
 from posttrain.layout import PARAMS_FILE
 from posttrain.plugins import workspace
-from posttrain.tracking import nothing_to_do, tracking_uri
+from posttrain.tracking.mlflow_runs import nothing_to_do, tracking_uri
 from tasks.data import previous_result, version_data
 from tasks.dvc_stages import own_model_prefix, pipeline_stage, push_data, stage_host, stage_order
-from tasks.recovery import mark_dead_runs
+from tasks.dead_runs import mark_dead_runs
 from tasks.runs import (close_run, gate_tags, open_parent_run, plan_memory, promote_model, publish_summary,
                         read_outcomes, record_results)
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from posttrain.errors import GateFailure, ReplayError, StageFailed, TrainingFailed, UserError
-from posttrain.profiles import PACKAGED as PACKAGED_PROFILES
+from posttrain.capacity.profiles import PACKAGED as PACKAGED_PROFILES
 from posttrain.redact import guard_standard_streams, redact_text
 
 # Offline by default: real models are local paths; Prefect and DVC send no telemetry.
@@ -99,8 +99,8 @@ def add_memory_parser(sub) -> None:
     memory = sub.add_parser("memory", help="training memory per GPU of a model (its config.json), or of every "
                             "training stage of a pipeline (--config)",
                             description="Per GPU: weights, gradients, optimizer states (DeepSpeed's arithmetic), "
-                                        "reference model, activations, logits, generation (posttrain/memory.py); "
-                                        "with --config, each training stage as it will run (posttrain/fit.py)")
+                                        "reference model, activations, logits, generation (posttrain/capacity/memory.py); "
+                                        "with --config, each training stage as it will run (posttrain/capacity/fit.py)")
     memory.add_argument("model", nargs="?", help="model folder or config.json")
     memory.add_argument("--config", help="a pipeline config: plan its SFT and GRPO stages from their trl:, peft: "
                         "and launcher settings against training.gpu (no other flag applies)")
@@ -138,7 +138,7 @@ def dispatch(args) -> int:
     elif args.command == "stage":
         run_stage(args)
     elif args.command == "compare":
-        from posttrain.compare import check_out, compare
+        from posttrain.tracking.compare import check_out, compare
 
         if len(args.runs) < 2:
             raise UserError("posttrain compare", "needs at least two runs", "pass two or more run ids or aliases")
@@ -174,9 +174,10 @@ def full_check(config_path: str, *, here: bool) -> str:
     """What `posttrain check` checks: the config (posttrain.config), every preflight check
     (`here`: against this machine too), TRL's own of the `trl:` and `peft:` blocks, and
     whether each training stage fits `training.gpu`; what the fit said."""
-    from posttrain import fit, preflight
+    from posttrain.capacity import fit
+    from posttrain import preflight
     from posttrain.config import load_config
-    from posttrain.trl_bridge import check_trl_blocks
+    from posttrain.training.trl_bridge import check_trl_blocks
 
     config = load_config(config_path)
     chars = preflight.everything(config_path, config, here=here)
@@ -187,7 +188,7 @@ def full_check(config_path: str, *, here: bool) -> str:
 def run_stage(args) -> None:
     """`posttrain stage NAME --config FILE --flag value ...`: the flags checked against the
     stage's `main` before the config is loaded, then the stage run and its metrics printed."""
-    from posttrain.lifetime import die_with_run
+    from posttrain.runtime.lifetime import die_with_run
 
     die_with_run()  # under the flow's `dvc repro`: the stage ends with the flow (kill -9 of the run included)
     import importlib
@@ -228,7 +229,7 @@ def run_stage(args) -> None:
 
 # The libraries a stage's own work imports, imported before it starts: seconds on a small
 # machine (TRL imports vLLM when it is installed), which `make bench` counts as the stage
-# process's start-up, not as its compute (`compute.<part>_seconds`, posttrain.tracking).
+# process's start-up, not as its compute (`compute.<part>_seconds`, posttrain.tracking.mlflow_runs).
 STAGE_IMPORTS = {"prepare": [("transformers", "AutoModelForCausalLM")],
                  "sft": [("trl", "SFTTrainer"), ("datasets", "Dataset")],
                  "grpo": [("trl", "GRPOTrainer"), ("datasets", "Dataset")],
@@ -239,7 +240,7 @@ def join_stage(args) -> int:
     """`posttrain join`: this node's ranks of the stage's next launched training job."""
     from posttrain import preflight
     from posttrain.config import load_config
-    from posttrain.launch import join
+    from posttrain.runtime.launch import join
     from posttrain.stageid import training_stages
 
     config = load_config(args.config)
@@ -268,8 +269,8 @@ def stage_flags(stage: str) -> list[str]:
 
 
 def print_kv(args) -> None:
-    """`posttrain kv`: the capacity report (posttrain.kv_report) as JSON or aligned lines."""
-    from posttrain.kv_report import report
+    """`posttrain kv`: the capacity report (posttrain.capacity.kv_report) as JSON or aligned lines."""
+    from posttrain.capacity.kv_report import report
 
     figures = report(args.model, gpu=args.gpu, gpus=args.gpus, kv_memory_gib=args.kv_memory_gib,
                      gpu_memory_utilization=args.gpu_memory_utilization, context=args.context, tp=args.tp,
@@ -283,8 +284,8 @@ def print_kv(args) -> None:
 
 
 def print_memory(args) -> None:
-    """`posttrain memory`: the plan (posttrain.memory) as JSON or aligned lines in GiB."""
-    from posttrain.memory import GIB, Setup, optimizer_state_bytes, report
+    """`posttrain memory`: the plan (posttrain.capacity.memory) as JSON or aligned lines in GiB."""
+    from posttrain.capacity.memory import GIB, Setup, optimizer_state_bytes, report
 
     if args.config is not None:
         return print_pipeline_memory(args)
@@ -308,12 +309,12 @@ def print_memory(args) -> None:
 
 
 def print_pipeline_memory(args) -> None:
-    """`posttrain memory --config FILE`: every training stage's plan (posttrain.fit), as
+    """`posttrain memory --config FILE`: every training stage's plan (posttrain.capacity.fit), as
     JSON (what reports/memory.json holds) or one line per stage."""
     from posttrain import preflight
     from posttrain.config import load_config
-    from posttrain.fit import pipeline_plan
-    from posttrain.trl_bridge import check_trl_blocks
+    from posttrain.capacity.fit import pipeline_plan
+    from posttrain.training.trl_bridge import check_trl_blocks
 
     defaults = vars(build_parser().parse_args(["memory"]))
     given = [f"--{a.replace('_', '-')}" for a in ("model", "method", "zero", "gpus", "nodes", "offload_optimizer",
@@ -342,7 +343,7 @@ def print_pipeline_memory(args) -> None:
 
 def size(n: int) -> str:
     """Bytes in GiB, or MiB below one GiB."""
-    from posttrain.memory import GIB
+    from posttrain.capacity.memory import GIB
 
     return f"{n / GIB:,.2f} GiB" if n >= GIB else f"{n / 2**20:,.1f} MiB"
 
@@ -372,7 +373,7 @@ def cli_tracking_uri(args) -> str:
     so is a server that does not answer."""
     from posttrain.probe import check_tracking
 
-    from posttrain.tracking import local_store
+    from posttrain.tracking.mlflow_runs import local_store
 
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or local_store(".")
     if uri.startswith("sqlite:///") and not os.path.isfile(uri[len("sqlite:///"):]):

@@ -1,7 +1,7 @@
 """The pipeline config as data: one YAML file, parsed, merged and validated against the
 schema below. Nothing here looks past the file: the environment, the model, TRL's
 options, the machine and the servers are posttrain.preflight's checks (and
-posttrain.trl_bridge's), each caller asking for those it needs.
+posttrain.training.trl_bridge's), each caller asking for those it needs.
 
 A variant file may say `extends: other.yaml` and hold only its overrides (deep-merged;
 a variant that names another `data.env` takes none of the base's `data.options`).
@@ -19,7 +19,7 @@ from urllib.parse import parse_qs, urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from posttrain.errors import UserError, invalid
-from posttrain.modelconfig import LARGEST_DIMENSION
+from posttrain.capacity.modelconfig import LARGEST_DIMENSION
 from posttrain.stageid import StageId
 from posttrain.yamlfile import read_yaml, schema_error, show
 
@@ -79,7 +79,7 @@ RDZV_ENV = "POSTTRAIN_RDZV_ENDPOINT"  # a multi-node job's rendezvous, when the 
 
 class LauncherSection(Section):
     """How a training stage trains: in the stage's own process, or under `torchrun` /
-    `accelerate launch` on several processes and nodes (posttrain/launch.py). Every rank
+    `accelerate launch` on several processes and nodes (posttrain/runtime/launch.py). Every rank
     trains; only the main one writes outputs, metrics and MLflow records. Data parallel:
     a step's batch is `per_device_train_batch_size` x processes x nodes."""
     type: Literal["in_process", "torchrun", "accelerate"] = Field(
@@ -151,9 +151,9 @@ class GRPOStage(Section):
     from_: str = Field(..., alias="from", description="The stage this one starts from: `sft` for the first, "
                                                       "else the previous stage's name.")
     rewards: dict[str, float] = Field({"correctness": 1.0}, min_length=1,
-                                      description="Reward channel -> weight: a built-in (posttrain.rewards.REWARDS) "
+                                      description="Reward channel -> weight: a built-in (posttrain.scoring.rewards.REWARDS) "
                                                   "or an import path package.module:function.")
-    guardrails: list[str] = Field(default_factory=list, description="Hard rules (posttrain.rewards.GUARDRAILS, or "
+    guardrails: list[str] = Field(default_factory=list, description="Hard rules (posttrain.scoring.rewards.GUARDRAILS, or "
                                   "import paths): "
                                   "a completion that breaks one gets the minimum reward.")
     pass_rate_filter: PassRateFilter = Field(PassRateFilter(), description="Which training prompts the stage "
@@ -209,7 +209,7 @@ class ServingSLO(Section):
 
 class ServingSection(Section):
     gpu: str = Field("H100-80GB", description="GPU profile name: from gpus.yaml beside the config, else the "
-                                              "package's (posttrain/gpus.yaml).")
+                                              "package's (posttrain/capacity/gpus.yaml).")
     context_length: int = Field(8192, gt=0, description="Tokens per session.")
     gpu_memory_utilization: float = Field(0.92, gt=0, le=1, description="vLLM's share of GPU memory.")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs the model is split over; divides the attention "
@@ -309,7 +309,7 @@ class StatsSection(Section):
 class TrainingSection(Section):
     """The GPUs the training stages run on. With `gpu` set, `posttrain check`, `posttrain
     run` and each training stage refuse a stage whose predicted peak memory per GPU
-    (posttrain/fit.py) exceeds the profile's memory less its reserve, naming the cheapest
+    (posttrain/capacity/fit.py) exceeds the profile's memory less its reserve, naming the cheapest
     fix. Not a DVC param: declaring another GPU retrains nothing."""
     gpu: str | None = Field(None, description="GPU profile (gpus.yaml beside the config, else the package's); "
                                               "null: no memory check (each stage still logs its plan).")

@@ -29,7 +29,7 @@ class ReplayError(RuntimeError):
 
 
 class TrainingFailed(RuntimeError):
-    """A launched training job failed (posttrain.launch): a rank raised, or was killed. The
+    """A launched training job failed (posttrain.runtime.launch): a rank raised, or was killed. The
     CLI prints the one-line reason and exits 1; the launcher has ended the other ranks."""
 
 

@@ -2,8 +2,8 @@
 compute. Each caller asks for what it needs: `posttrain check` and `posttrain run` for
 all of it (`everything`); a stage process for what its own work touches (`for_stage`):
 the serving and evaluate stages neither generate the environment's data nor load a
-tokenizer. TRL's own validation of the `trl:` blocks is posttrain.trl_bridge's, the
-memory fit posttrain.fit's. Every refusal is one `UserError` line naming the field.
+tokenizer. TRL's own validation of the `trl:` blocks is posttrain.training.trl_bridge's, the
+memory fit posttrain.capacity.fit's. Every refusal is one `UserError` line naming the field.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from posttrain.yamlfile import read_text, schema_error, show
 
 def everything(path: str | Path, config: PipelineConfig, *, here: bool) -> int:
     """Every check before a run (`posttrain check`, `posttrain run`) but TRL's own of the
-    `trl:` and `peft:` blocks (posttrain.trl_bridge.check_trl_blocks: it imports TRL):
+    `trl:` and `peft:` blocks (posttrain.training.trl_bridge.check_trl_blocks: it imports TRL):
     the environment and its data, the model against them, the GPU profiles and the
     launchers (`here`: against this machine too). The longest prompt's characters, which
     the memory fit plans with."""
@@ -71,11 +71,11 @@ def model_room(path: Path, config: PipelineConfig, env, rows: dict[str, list[dic
 
 
 def launchers(path: Path, config: PipelineConfig, *, here: bool) -> None:
-    """Every training stage's launcher and vLLM options (posttrain.machine); `here`: also
+    """Every training stage's launcher and vLLM options (posttrain.runtime.host_checks); `here`: also
     against this machine."""
-    from posttrain import machine
+    from posttrain.runtime import host_checks
 
-    machine.check(path, config, here=here)
+    host_checks.check(path, config, here=here)
 
 
 def _built_env(path: Path, config: PipelineConfig) -> tuple[Any, dict[str, list[dict]]]:
@@ -129,7 +129,7 @@ def _check_stop_when(path: Path, config: PipelineConfig, train_rows: int) -> Non
 def _check_grpo_names(path: Path, config: PipelineConfig) -> None:
     """Reward channels and guardrails name entries of their registries."""
     from posttrain.plugins import PluginError
-    from posttrain.rewards import guardrail, reward_channel
+    from posttrain.scoring.rewards import guardrail, reward_channel
 
     for stage_name, stage in config.grpo.items():
         for kind, names, load in [("rewards", stage.rewards, reward_channel), ("guardrails", stage.guardrails, guardrail)]:
@@ -143,7 +143,7 @@ def _check_grpo_names(path: Path, config: PipelineConfig) -> None:
 def gpu_profiles(path: Path, config: PipelineConfig) -> None:
     """The GPU profiles the config names exist: in gpus.yaml beside the config, else the
     package's, so a profile is never skipped."""
-    from posttrain.profiles import load_profiles, profiles_path
+    from posttrain.capacity.profiles import load_profiles, profiles_path
 
     serving = config.serving
     gpus = profiles_path(path.parent)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import task
 
 from posttrain import ingest
-from posttrain.tracking import finished_run
+from posttrain.tracking.mlflow_runs import finished_run
 from tasks.dvc_stages import TASK_DEFAULTS, tool_path
 
 
@@ -23,5 +23,5 @@ def version_data(workdir: str, config) -> list[str]:
 @task(name="previous_result", **TASK_DEFAULTS)
 def previous_result(workdir: str, config, uri: str) -> tuple[str, str] | None:
     """(run id, experiment id) of a finished retrain run made from exactly this state, if
-    any (posttrain.tracking.finished_run)."""
+    any (posttrain.tracking.mlflow_runs.finished_run)."""
     return finished_run(workdir, config, uri)

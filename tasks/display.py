@@ -14,7 +14,7 @@ import sys
 import time
 
 from posttrain.errors import StageFailed
-from posttrain.summary import duration
+from posttrain.tracking.summary import duration
 
 def figures(event: dict) -> str:
     return ", ".join(f"{k} {event[k]:.4g}" for k in ("loss", "reward") if k in event)

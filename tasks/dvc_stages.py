@@ -12,12 +12,13 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NONE
 
-from posttrain import lifetime, stagehost, summary
+from posttrain.runtime import lifetime, stagehost
+from posttrain.tracking import summary
 from posttrain.errors import StageFailed
 from posttrain.files import read_json
 from posttrain.redact import redact_text
 from posttrain.stageid import kind_of, known
-from posttrain.tracking import flatten, stage_outputs
+from posttrain.tracking.mlflow_runs import flatten, stage_outputs
 from posttrain.workspace import stage_env, tool_path
 
 # DVC is the cache; Prefect must never skip a stage on its own.
@@ -172,7 +173,7 @@ def failure_line(stage: dict, code: int, tail: str, log: Path) -> str:
 
 
 def stage_host(workdir: str):
-    """A warm host for the stage processes of this run (posttrain/stagehost.py): the
+    """A warm host for the stage processes of this run (posttrain/runtime/stagehost.py): the
     libraries they import, imported once, while the run checks its data and opens its runs."""
     return stagehost.hosting(workdir, stage_env(workdir, PYTHONUNBUFFERED="1"))
 
@@ -230,7 +231,7 @@ def log_checkpoint(client, stage: dict, run_id: str, outputs: dict[str, str], me
     bytes stay in DVC (tags `dvc.path`, `dvc.md5`: `dvc pull` restores them), the stage's
     held-out figures of that model are linked to it (a GRPO stage's candidate's when the
     gate accepted it; a rejected stage outputs the model before it, scored by its own stage)."""
-    from posttrain.lineage import log_model
+    from posttrain.tracking.lineage import log_model
 
     path = stage["outs"][0]  # the model folder (dvc.yaml: a training stage's one output besides metrics and plots)
     md5 = outputs.get(path, "")
@@ -240,7 +241,7 @@ def log_checkpoint(client, stage: dict, run_id: str, outputs: dict[str, str], me
                if accepted and k.startswith((f"{prefix}greedy_accuracy", f"{prefix}pass_at_"))}
     log_model(client, run_id, stage["name"].replace("@", "-"), metrics=figures,
               tags={"posttrain.stage": stage["name"], "dvc.path": path, "dvc.md5": md5,
-                    "posttrain.gate": "accepted" if accepted else "rejected"})
+                    "posttrain.scoring.gate": "accepted" if accepted else "rejected"})
 
 
 @task(name="push_data", retries=2, retry_delay_seconds=5, **TASK_DEFAULTS)

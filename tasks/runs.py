@@ -9,13 +9,13 @@ from pathlib import Path
 import yaml
 from prefect import task
 
-from posttrain import crash
+from posttrain.runtime import dead_runs
 from posttrain.files import read_json
 from posttrain.stageid import known
 from posttrain.layout import PARAMS_FILE
-from posttrain.lineage import log_datasets, workspace_datasets
+from posttrain.tracking.lineage import log_datasets, workspace_datasets
 from posttrain.redact import redact_uri
-from posttrain.tracking import (OUTCOMES_ARTIFACT, dvc_lock_hashes, experiment_id, flatten_params, provenance, run_metrics,
+from posttrain.tracking.mlflow_runs import (OUTCOMES_ARTIFACT, dvc_lock_hashes, experiment_id, flatten_params, provenance, run_metrics,
                                 run_url)
 from tasks.dvc_stages import TASK_DEFAULTS
 
@@ -34,7 +34,7 @@ def open_parent_run(config, workdir: str, uri: str) -> tuple[str, str]:
     from mlflow.entities import Param
 
     mlflow = client(uri)
-    tags = {**provenance(config, workdir), **crash.process_tags(), "posttrain.flow": "retrain"}
+    tags = {**provenance(config, workdir), **dead_runs.process_tags(), "posttrain.flow": "retrain"}
     experiment = experiment_id(config, workdir)
     run_id = mlflow.create_run(experiment, run_name=f"retrain-{time.strftime('%Y%m%d-%H%M%S')}", tags=tags).info.run_id
     mlflow.log_text(run_id, yaml.safe_dump(config.model_dump(by_alias=True), sort_keys=False), "config.resolved.yaml")
@@ -71,12 +71,12 @@ def read_outcomes(workdir: str) -> dict | None:
 
 @task(name="plan_memory", **TASK_DEFAULTS)
 def plan_memory(config, workdir: str, run_id: str, uri: str) -> dict:
-    """Every training stage's memory plan per GPU (posttrain.fit), as the run will train
+    """Every training stage's memory plan per GPU (posttrain.capacity.fit), as the run will train
     it: reports/memory.json in the workspace and `memory.json` on the parent run (each
     stage's own run carries its part)."""
-    from posttrain import stagehost
+    from posttrain.runtime import stagehost
     from posttrain.files import write_json
-    from posttrain.fit import longest_prompt, pipeline_plan
+    from posttrain.capacity.fit import longest_prompt, pipeline_plan
 
     path = Path(workdir) / PARAMS_FILE
     done = stagehost.run_json(["memory", "--config", str(path), "--json"], cwd=workdir)  # the run's stage host has TRL imported
@@ -112,8 +112,8 @@ def record_results(run_id: str, workdir: str, uri: str, results: dict) -> dict[s
 
 @task(name="promote_model", **TASK_DEFAULTS)
 def promote_model(config, run_id: str, uri: str, model_dir: str, metrics: dict, serving: dict, outcomes):
-    """Register the final model as champion or challenger (posttrain.promotion)."""
-    from posttrain.promotion import promote
+    """Register the final model as champion or challenger (posttrain.tracking.promotion)."""
+    from posttrain.tracking.promotion import promote
 
     return promote(config, run_id, model_dir, metrics, serving, outcomes, tracking_uri=uri)
 

@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 from conftest import BIN, CHILD_ENV_DROP
-from posttrain.engine.loadtest import free_port
+from posttrain.vllm_engine.loadtest import free_port
 
 POSTGRES = "postgres@127.0.0.1:5432"
 

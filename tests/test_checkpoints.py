@@ -1,6 +1,6 @@
 """Checkpoint folders resume the same run and never someone else's."""
 
-from posttrain import checkpoints
+from posttrain.training import checkpoints
 
 
 def test_fingerprint_follows_settings_and_inputs(tmp_path):
@@ -22,7 +22,7 @@ def test_run_dir_drops_stale_runs(tmp_path):
 
 
 def test_resume_skips_a_checkpoint_cut_off_mid_save(tmp_path):
-    from posttrain.training import last_complete_checkpoint
+    from posttrain.training.trainer import last_complete_checkpoint
 
     for step, complete in [(10, True), (20, True), (30, False)]:   # killed while writing checkpoint-30
         folder = tmp_path / f"checkpoint-{step}"

@@ -51,7 +51,7 @@ def test_prints_differences_and_deltas_and_records_the_plot(store):
     client = MlflowClient(uri)
     [recorded] = client.search_runs([client.get_experiment_by_name("posttrain").experiment_id],
                                     "tags.mlflow.runName = 'compare'")
-    assert recorded.data.tags["posttrain.compare"] == f"{a},{b}"
+    assert recorded.data.tags["posttrain.tracking.compare"] == f"{a},{b}"
     assert {f.path for f in client.list_artifacts(recorded.info.run_id)} == {"compare.png", "compare.txt"}
 
 
@@ -87,13 +87,13 @@ def test_needs_two_runs(store):
 def run_with_outcomes(greedy: list[int], correct: list[int], n: int = 16) -> str:
     """A parent run as the flow leaves it: evaluate figures, their intervals, and the
     per-prompt outcomes artifact the paired tests read."""
-    from posttrain.tracking import flatten
-    from posttrain.stats import intervals
-    from posttrain.tracking import OUTCOMES_ARTIFACT
+    from posttrain.tracking.mlflow_runs import flatten
+    from posttrain.scoring.stats import intervals
+    from posttrain.tracking.mlflow_runs import OUTCOMES_ARTIFACT
 
     record = {"prompts": [f"{i // 50}+{i % 50}=" for i in range(len(greedy))], "greedy": greedy,
               "correct": correct, "n": n}
-    from posttrain.metrics import mean_pass_at_k
+    from posttrain.scoring.metrics import mean_pass_at_k
 
     report = {"greedy_accuracy": sum(greedy) / len(greedy), "pass_at_k": {"8": mean_pass_at_k(correct, n, 8)},
               **intervals(record, [8], resamples=500, seed=0)}
@@ -137,6 +137,6 @@ def test_marks_each_delta_within_noise_or_significant(tmp_path):
     ("grpo.dense.candidate_greedy_accuracy", "grpo.dense.candidate_greedy_accuracy_ci95"),
 ])
 def test_interval_key(metric, key):
-    from posttrain.compare import interval_key
+    from posttrain.tracking.compare import interval_key
 
     assert interval_key(metric) == key

@@ -12,7 +12,7 @@ import yaml
 from posttrain import preflight
 from posttrain.config import load_config, read_config_dict
 from posttrain.errors import UserError
-from posttrain.trl_bridge import check_trl_blocks
+from posttrain.training.trl_bridge import check_trl_blocks
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PIPELINES = [p for p in sorted(CONFIGS.glob("*.yaml")) if p.name != "gpus.yaml"]

@@ -6,7 +6,7 @@ import pytest
 
 from posttrain.envs import get_env
 from posttrain.errors import UserError
-from posttrain.evaluation import check_format_contract
+from posttrain.scoring.evaluation import check_format_contract
 from conftest import SMALL, make_workspace, sh
 
 

@@ -19,7 +19,7 @@ import yaml
 from mlflow import MlflowClient
 
 from conftest import BIN, CHILD_ENV_DROP, copy_workspace, sh
-from posttrain.crash import CRASH_TAG, HOST_TAG, PID_TAG, mark_dead_runs
+from posttrain.runtime.dead_runs import CRASH_TAG, HOST_TAG, PID_TAG, mark_dead_runs
 
 
 def start_run(ws, out):
@@ -118,7 +118,7 @@ def test_only_dead_retrain_runs_of_this_workspace_are_marked(tmp_path):
 
 
 STAGE = """import os, sys, time
-from posttrain.lifetime import die_with_run
+from posttrain.runtime.lifetime import die_with_run
 die_with_run()
 open(sys.argv[1], "w").write(str(os.getpid()))
 time.sleep(120)

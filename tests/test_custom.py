@@ -17,7 +17,7 @@ from conftest import REPO, SMALL, sh
 from hardening import assert_nothing_left, assert_refused, cli, state
 from posttrain.envs import get_env
 from posttrain.plugins import PluginError
-from posttrain.rewards import build_rewards
+from posttrain.scoring.rewards import build_rewards
 
 # An environment of its own (not a built-in's subclass): "3 plus 4?" -> "7".
 WORDS = '''
@@ -86,7 +86,7 @@ def blank(completions, **columns):
 
 WEIGHT = 0.5
 
-from posttrain.rewards import Channel, correctness
+from posttrain.scoring.rewards import Channel, correctness
 
 strict = Channel(correctness, -1.0, 1.0)   # a channel made from the environment, with its range
 '''

@@ -85,7 +85,7 @@ def test_a_verifier_on_hostile_output_is_bounded(project):
 def test_the_files_other_columns_reach_the_rewards(project):
     """A custom reward reading a column of the user's file, in GRPO's rows and in evaluation."""
     from posttrain.chat import grpo_rows
-    from posttrain.evaluation import score
+    from posttrain.scoring.evaluation import score
 
     rows = [{**r, "difficulty": i % 3} for i, r in enumerate(math_rows(60, 0))]
     write_jsonl(project / "custom" / "train.jsonl", rows)
@@ -115,7 +115,7 @@ def test_the_files_become_the_splits(project):
 
 
 def test_format_and_length_channels(project):
-    from posttrain.rewards import build_rewards
+    from posttrain.scoring.rewards import build_rewards
 
     env = get_env("dataset", **{**OPTIONS, "verifier": "exact", "answer_pattern": "<answer>(.*?)</answer>",
                                 "format_pattern": r"<think>.*?</think>\s*<answer>.*?</answer>"})
@@ -307,7 +307,7 @@ def test_the_qwen_recipe_checks_against_the_published_config(tmp_path):
 def test_prose_targets_for_a_choice_task_stop_sft_before_compute(project):
     """The format contract on a real task: one-letter answers, prose SFT targets."""
     from posttrain.errors import UserError
-    from posttrain.evaluation import check_format_contract
+    from posttrain.scoring.evaluation import check_format_contract
 
     rows = [{"question": f"Q{i}: pick one", "solution": "B", "completion": "I think the answer is B"} for i in range(40)]
     rows[:10] = [{**r, "completion": "B"} for r in rows[:10]]

@@ -3,7 +3,7 @@
 import pytest
 
 from posttrain.envs import get_env
-from posttrain.rewards import REWARDS, build_rewards, digit_overlap
+from posttrain.scoring.rewards import REWARDS, build_rewards, digit_overlap
 
 
 @pytest.fixture

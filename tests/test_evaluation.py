@@ -3,7 +3,7 @@
 import pytest
 
 from posttrain.envs import get_env
-from posttrain.evaluation import sample_models, score
+from posttrain.scoring.evaluation import sample_models, score
 
 
 @pytest.fixture(scope="module")
@@ -13,8 +13,8 @@ def trained_model(tmp_path_factory):
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from posttrain.trl_bridge import device_defaults
-    from posttrain.tiny_model import save_tiny_model
+    from posttrain.training.trl_bridge import device_defaults
+    from posttrain.training.tiny_model import save_tiny_model
 
     root = tmp_path_factory.mktemp("model")
     save_tiny_model(root / "base", seed=0, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -53,7 +53,7 @@ def test_vllm_and_transformers_agree(trained_model):
 def test_greedy_decodes_a_gate_made_are_reused_only_when_they_match():
     """The evaluate stage takes a model's greedy completions from its card when the gate
     decoded every prompt with the same max_new_tokens; otherwise it decodes them itself."""
-    from posttrain.evaluation import known_greedy
+    from posttrain.scoring.evaluation import known_greedy
 
     gate = {"outcomes": {"prompts": ["1+1=", "2+2=", "3+3="]},
             "greedy": {"max_new_tokens": 5, "completions": ["2", "4", "7"]}}

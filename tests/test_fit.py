@@ -1,5 +1,5 @@
 """Will it fit (issue 15): every training stage's memory plan from a pipeline config
-(posttrain/fit.py), checked against what no one here wrote (DeepSpeed's ZeRO-3 estimator
+(posttrain/capacity/fit.py), checked against what no one here wrote (DeepSpeed's ZeRO-3 estimator
 through a real accelerate config, peft's own adapter on the model's real modules), and
 the refusal of a stage that does not fit, before any compute, with the cheapest fix."""
 
@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from hardening import assert_refused, cli
-from posttrain.memory import GIB, Setup, plan
+from posttrain.capacity.memory import GIB, Setup, plan
 from test_memory import SHAPES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def test_the_default_pipeline_plans_as_it_trains_here():
     figures = memory(REPO / "configs" / "pipeline.yaml")
     assert figures["gpu"] is None and set(figures["stages"]) == {"sft", "grpo@dense"}
     from posttrain.config import load_config
-    from posttrain.fit import model_config
+    from posttrain.capacity.fit import model_config
 
     config = load_config(REPO / "configs" / "pipeline.yaml")
     sft = figures["stages"]["sft"]
@@ -66,7 +66,7 @@ def test_zero3_through_the_accelerate_config_equals_deepspeeds_estimator(qwen):
     states are DeepSpeed's own estimate for that model on 8 GPUs, to the byte."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
-    from posttrain.memory import shape
+    from posttrain.capacity.memory import shape
 
     config = qwen(training={"gpu": "H100-80GB", "num_gpus": 8},
                   launcher={"type": "accelerate", "processes": 8,

@@ -116,7 +116,7 @@ def test_first_run_is_champion_and_an_equal_second_is_challenger(flow_runs):
     ws, first, second, runs, _ = flow_runs
     client = mlflow.MlflowClient()
     parents = runs[runs["tags.mlflow.parentRunId"].isna()]
-    assert list(parents["tags.posttrain.promotion"]) == ["champion", "challenger"]
+    assert list(parents["tags.posttrain.tracking.promotion"]) == ["champion", "challenger"]
     assert "no champion yet" in parents["tags.posttrain.promotion_reason"].iloc[0]
     assert "does not beat the champion's" in parents["tags.posttrain.promotion_reason"].iloc[1]
     # require_significance: the same model on the same held-out prompts, tested pair by pair

@@ -3,7 +3,7 @@ that says what happened, and all stay quiet on a healthy stage."""
 
 import pytest
 
-from posttrain.gate import decide, reward_trend
+from posttrain.scoring.gate import decide, reward_trend
 
 
 def result(greedy, pass8):
@@ -63,7 +63,7 @@ def test_reward_trend_averages_the_ends():
 
 def measured(greedy: list[int], correct: list[int], n: int = 16) -> dict:
     """An evaluation with the per-prompt outcomes the gate's paired tests read."""
-    from posttrain.metrics import mean_pass_at_k
+    from posttrain.scoring.metrics import mean_pass_at_k
 
     return {"greedy_accuracy": sum(greedy) / len(greedy), "pass_at_k": {"8": mean_pass_at_k(correct, n, 8)},
             "outcomes": {"prompts": [f"{i}+1=" for i in range(len(greedy))], "greedy": greedy, "correct": correct,

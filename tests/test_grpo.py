@@ -39,10 +39,10 @@ def test_guardrail_gets_the_minimum_whatever_the_channels_say(tmp_path, monkeypa
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from posttrain import rewards
-    from posttrain.trl_bridge import device_defaults
+    from posttrain.scoring import rewards
+    from posttrain.training.trl_bridge import device_defaults
     from posttrain.envs import get_env
-    from posttrain.tiny_model import save_tiny_model
+    from posttrain.training.tiny_model import save_tiny_model
 
     monkeypatch.setitem(rewards.REWARDS, "length", rewards.Channel(length_channel, 0.0, 1.0))
     model_dir = tmp_path / "model"
@@ -124,7 +124,7 @@ def test_gate_rejects_a_harmful_stage_and_keeps_the_previous_model(learned_works
     import mlflow
     mlflow.set_tracking_uri(f"sqlite:///{ws / 'mlflow.db'}")
     runs = mlflow.search_runs(search_all_experiments=True, filter_string="tags.`posttrain.stage` = 'grpo@dense'")
-    assert runs.iloc[0]["tags.posttrain.gate"] == "rejected"
+    assert runs.iloc[0]["tags.posttrain.scoring.gate"] == "rejected"
     assert "greedy accuracy fell" in runs.iloc[0]["tags.posttrain.gate_reason"]
 
 

@@ -243,7 +243,7 @@ def test_join_refuses_bad_ranks_and_endpoints(args, env, needles, here):
 def test_node_0_says_what_it_waits_for():
     """The stage's own line on node 0: which nodes it waits for, how they join, until when."""
     from posttrain.config import LauncherSection
-    from posttrain.launch import awaited
+    from posttrain.runtime.launch import awaited
 
     launcher = LauncherSection(type="torchrun", nodes=3, rdzv_endpoint="node0:29500", rdzv_timeout_s=60)
     line = awaited(launcher, "grpo@dense")

@@ -164,7 +164,7 @@ def test_a_failing_store_is_not_no_such_run(ports):
     run may well exist; the message carries no password."""
     from mlflow import MlflowClient
 
-    from posttrain.compare import get_run
+    from posttrain.tracking.compare import get_run
     from posttrain.errors import UserError
 
     with pytest.raises(UserError, match="tracking store failed") as err:

@@ -122,6 +122,6 @@ def test_kv_finds_the_packaged_gpu_profiles_from_any_folder(tmp_path):
 
 
 def test_the_workspace_copy_of_gpu_profiles_is_the_package_copy():
-    from posttrain.profiles import PACKAGED
+    from posttrain.capacity.profiles import PACKAGED
 
     assert (CONFIGS / "gpus.yaml").read_text() == PACKAGED.read_text()

@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from conftest import HOMES, SMALL, TEST_HOME, make_workspace
-from posttrain import stagehost
+from posttrain.runtime import stagehost
 from test_stagehost import hosted_env, posttrain
 
 pytestmark = pytest.mark.slow  # a host imports torch, transformers and TRL; a Prefect server starts
@@ -194,7 +194,7 @@ def test_a_socket_another_user_bound_gets_neither_environment_nor_terminal(hoste
 
 
 HOLDER = """import os, sys
-from posttrain import stagehost
+from posttrain.runtime import stagehost
 with stagehost.hosting(sys.argv[1], dict(os.environ)) as name:
     print(name, flush=True)
     sys.stdin.readline()
@@ -221,7 +221,7 @@ def test_a_host_leaves_nothing_behind_however_its_run_ends(how, serve_first, tmp
                           stdout=subprocess.PIPE, text=True) as holder:
         try:
             name = holder.stdout.readline().strip()
-            host = next(p for p in psutil.Process(holder.pid).children() if "posttrain.stagehost" in p.cmdline())
+            host = next(p for p in psutil.Process(holder.pid).children() if "posttrain.runtime.stagehost" in p.cmdline())
             assert name.startswith("@") and name[1:] in abstract_names()
             if serve_first:
                 done = posttrain(BOGUS, ws, {**env, stagehost.ENV_VAR: name})

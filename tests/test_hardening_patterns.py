@@ -142,7 +142,7 @@ def test_the_check_stops_at_the_first_target_over_the_limit(project, options, ta
 def test_the_sft_format_contract_stops_at_the_first_target_over_a_limit(project):
     """SFT's own check (rows prepared, incoming batches included) ends at the first target a
     limit cuts: a pattern's, or math-verify's."""
-    from posttrain.evaluation import check_format_contract
+    from posttrain.scoring.evaluation import check_format_contract
 
     rows = [{"prompt": f"p{i}", "completion": "a" * 40 + "b", "answer": "1"} for i in range(200)]
     env = get_env("dataset", **{**OPTIONS, "answer_pattern": r"^(a|aa)+$"})
@@ -169,7 +169,7 @@ OUTPUT_CASES = [
 
 @pytest.mark.parametrize("options, completions", OUTPUT_CASES)
 def test_model_output_that_backtracks_scores_unparseable_and_is_counted(project, options, completions):
-    from posttrain.rewards import build_rewards
+    from posttrain.scoring.rewards import build_rewards
 
     env = get_env("dataset", **{**OPTIONS, **options})
     funcs, _ = build_rewards(env, {"correctness": 1.0, "parseable": 1.0, "format": 1.0}, guardrails=["unparseable"])

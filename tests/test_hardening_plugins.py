@@ -61,7 +61,7 @@ import functools
 import subprocess
 from os import system
 
-from posttrain.rewards import correctness
+from posttrain.scoring.rewards import correctness
 
 ev = eval
 touch = functools.partial(subprocess.run, ["touch", "pwned"])
@@ -190,7 +190,7 @@ CODE_CASES = [
     ({"guardrails": ["custom.evil:touch"]}, ["grpo.dense.guardrails", "run", "(subprocess)"]),  # a partial of subprocess.run
     ({"data": {"env": "posttrain.cli:main", "options": {"argv": ["kv", "x"]}}},
      ["data.env", "posttrain's own internals", "data.env: arithmetic"]),                         # posttrain's CLI as a factory
-    ({"rewards": {"custom.evil:correctness": 1.0}}, ["grpo.dense.rewards", "posttrain's own (posttrain.rewards)"]),  # built-in by path
+    ({"rewards": {"custom.evil:correctness": 1.0}}, ["grpo.dense.rewards", "posttrain's own (posttrain.scoring.rewards)"]),  # built-in by path
 ]
 
 

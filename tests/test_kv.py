@@ -2,7 +2,7 @@
 
 import pytest
 
-from posttrain.kv import capacity, concurrency_by_context, estimate_params, kv_spec, paging, tp_sizes
+from posttrain.capacity.kv import capacity, concurrency_by_context, estimate_params, kv_spec, paging, tp_sizes
 
 LLAMA_31_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                "hidden_size": 4096, "torch_dtype": "bfloat16"}

@@ -22,8 +22,8 @@ import yaml
 
 from conftest import REPO, SMALL, make_workspace, sh
 from hardening import assert_refused, cli
-from posttrain.launch import weights_digest
-from posttrain.machine import vllm_problem
+from posttrain.runtime.launch import weights_digest
+from posttrain.runtime.host_checks import vllm_problem
 
 ACCELERATE_CONFIGS = sorted((REPO / "infra" / "accelerate").glob("*.yaml"))
 TWO_RANKS = {"launcher": {"type": "torchrun", "processes": 2}}
@@ -109,7 +109,7 @@ def test_a_failing_rank_fails_the_stage_in_one_line(two_ranks, tmp_path):
     assert seconds < 300
     runs = runs_by_name(ws)["grpo@dense"]
     assert sorted(r.info.status for r in runs) == ["FAILED", "FINISHED"]  # the earlier run, and this one
-    assert not [p for p in psutil.process_iter(["cmdline"]) if "posttrain.launch" in " ".join(p.info["cmdline"] or [])]
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "posttrain.runtime.launch" in " ".join(p.info["cmdline"] or [])]
 
 
 @pytest.mark.slow
@@ -218,7 +218,7 @@ def test_what_a_launch_needs_is_checked_with_its_world_size(tmp_path):
 
 
 def test_a_rank_that_only_lost_its_peers_is_not_named_the_cause(tmp_path):
-    from posttrain.launch import failure
+    from posttrain.runtime.launch import failure
 
     errors = tmp_path / "errors"
     errors.mkdir()
@@ -241,7 +241,7 @@ def test_vllm_generation_options_against_the_machine():
     """Each refusal with the facts of a machine: no CUDA, no vLLM, one outside TRL's range,
     a server that does not answer, and one that does (a real HTTP server on loopback)."""
     from posttrain.probe import free_port
-    from posttrain.machine import trl_vllm_requirement
+    from posttrain.runtime.host_checks import trl_vllm_requirement
 
     supported = trl_vllm_requirement()
     assert supported == "<=0.31.0,>=0.22.0" or supported  # TRL's own `vllm` extra

@@ -13,7 +13,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # what the config (posttrain/config.py, data only) may import of the package: leaves
-CONFIG_IMPORTS = {"posttrain.errors", "posttrain.modelconfig", "posttrain.stageid", "posttrain.yamlfile"}
+CONFIG_IMPORTS = {"posttrain.errors", "posttrain.capacity.modelconfig", "posttrain.stageid", "posttrain.yamlfile"}
 
 
 def modules(package: str = "posttrain") -> dict[str, Path]:
@@ -103,8 +103,8 @@ def test_the_circle_check_finds_a_circle():
 # Where a process may change folder: a child that takes on its caller's folder and runs
 # nothing else (a forked stage, a launched rank). The flow, the CLI and the library name
 # the workspace instead (posttrain.plugins.workspace, explicit paths).
-CHDIR_ALLOWED = {"posttrain/stagehost.py": "the host's forked child takes on its client's folder",
-                 "posttrain/launch.py": "a rank process takes on the stage's folder"}
+CHDIR_ALLOWED = {"posttrain/runtime/stagehost.py": "the host's forked child takes on its client's folder",
+                 "posttrain/runtime/launch.py": "a rank process takes on the stage's folder"}
 
 
 def test_no_chdir_outside_a_child_process():

@@ -1,4 +1,4 @@
-"""The training-memory plan (posttrain/memory.py) against what no one here wrote: published
+"""The training-memory plan (posttrain/capacity/memory.py) against what no one here wrote: published
 parameter counts, DeepSpeed's own ZeRO estimators, accelerate's model sizes; and
 `posttrain memory` as a user runs it."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from hardening import assert_refused, cli
-from posttrain.memory import GIB, Setup, plan, shape
+from posttrain.capacity.memory import GIB, Setup, plan, shape
 
 # Published configs (config.json fields the plan reads) and their published parameter counts.
 SHAPES = {
@@ -134,7 +134,7 @@ def test_the_logit_tiles_are_trls():
     from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE
     from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
 
-    from posttrain.memory import TILE_TOKENS, TILE_VOCAB
+    from posttrain.capacity.memory import TILE_TOKENS, TILE_VOCAB
 
     assert (TILE_TOKENS, TILE_VOCAB) == (TOKEN_CHUNK_SIZE, _CHUNKED_LOGPROB_CHUNK_SIZE)
 

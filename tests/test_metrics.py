@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from posttrain.metrics import mean_pass_at_k, pass_at_k
+from posttrain.scoring.metrics import mean_pass_at_k, pass_at_k
 
 
 def exact(n, c, k):

@@ -7,7 +7,7 @@ import mlflow
 import pytest
 
 from conftest import sh
-from posttrain.lineage import file_md5
+from posttrain.tracking.lineage import file_md5
 
 pytestmark = pytest.mark.slow
 
@@ -57,9 +57,9 @@ def test_each_stage_logs_a_run_with_trl_curves(reproduced):
     grpo = by_stage["grpo@dense"]
     assert grpo["metrics.rewards/digits/mean"] >= 0                         # TRL's own curves, via MLflow
     assert grpo["metrics.guardrails/unparseable/hit_rate"] >= 0            # guardrail hits per step
-    assert grpo["metrics.stage.frac_reward_zero_std_mean"] >= 0 and grpo["tags.posttrain.gate"] == "accepted"
+    assert grpo["metrics.stage.frac_reward_zero_std_mean"] >= 0 and grpo["tags.posttrain.scoring.gate"] == "accepted"
     assert by_stage["prepare"]["tags.git.commit"]                          # a stage run alone carries provenance
-    # not TRL's per-call timings: a store round trip each, several a step (posttrain.training.log_to_mlflow)
+    # not TRL's per-call timings: a store round trip each, several a step (posttrain.training.trainer.log_to_mlflow)
     assert not [k for k in runs if k.startswith("metrics.profiling/")] and grpo["metrics.step_time"] > 0
     # each stage's own compute, timed by the stage (make bench holds the wall time against it)
     parts = {stage: {k.split(".", 2)[2] for k, v in row.items() if k.startswith("metrics.compute.") and v == v}

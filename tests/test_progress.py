@@ -1,7 +1,7 @@
 """What the terminal shows while a stage runs (issue 17): the stage's progress lines
 (posttrain/progress.py), the flow's display of them (tasks/display.py: plain lines at most
 every 10% off a terminal), the routing of a stage's output between terminal and log, and
-each stage's end line in numbers (posttrain.summary.stage_line)."""
+each stage's end line in numbers (posttrain.tracking.summary.stage_line)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from posttrain import progress
-from posttrain.summary import duration, stage_line
+from posttrain.tracking.summary import duration, stage_line
 from tasks.display import StageDisplay
 from tasks.dvc_stages import run_logged
 

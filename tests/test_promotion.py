@@ -2,7 +2,7 @@
 
 import pytest
 
-from posttrain.promotion import decide
+from posttrain.tracking.promotion import decide
 
 
 @pytest.mark.parametrize("value,champion,higher,serving_ok,alias,needle", [
@@ -21,7 +21,7 @@ def test_decide(value, champion, higher, serving_ok, alias, needle):
 
 
 def test_significance_decides_when_asked():
-    from posttrain.stats import Test
+    from posttrain.scoring.stats import Test
 
     noise = Test(0.01, 0.40, "exact McNemar", 500)
     real = Test(0.08, 0.0004, "exact McNemar", 500)

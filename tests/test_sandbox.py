@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.envs import get_env
-from posttrain.sandbox import QueryError, run_query
+from posttrain.scoring.sandbox import QueryError, run_query
 
 TIMEOUT_S = 1.0
 WITHIN_S = TIMEOUT_S + 0.5        # the deadline, the kill grace, and the error coming back
@@ -148,7 +148,7 @@ def test_a_forked_child_runs_queries_of_its_own(env):
 
 
 def test_the_worker_ends_with_its_caller(env):
-    script = (f"from posttrain.sandbox import run_query, _WORKER\n"
+    script = (f"from posttrain.scoring.sandbox import run_query, _WORKER\n"
               f"run_query({str(env.db_path)!r}, 'SELECT 1')\n"
               f"print(_WORKER._proc.pid, flush=True)\n"
               f"import time; time.sleep(60)\n")

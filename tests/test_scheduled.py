@@ -21,7 +21,7 @@ import yaml
 from mlflow import MlflowClient
 
 from conftest import SMALL, copy_workspace, make_workspace, sh
-from posttrain.lineage import file_md5
+from posttrain.tracking.lineage import file_md5
 from servers import (POSTGRES, api, mlflow_server, postgres_database, prefect_server, process_env, running,
                      wait_for)
 

@@ -5,7 +5,7 @@ import pytest
 
 from posttrain.config import ServingSection
 from posttrain.stages.serving import check_with_vllm
-from posttrain.tiny_model import save_tiny_model
+from posttrain.training.tiny_model import save_tiny_model
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from posttrain.tiny_model import save_tiny_model
+from posttrain.training.tiny_model import save_tiny_model
 
 REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

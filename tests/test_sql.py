@@ -4,8 +4,8 @@ its queries run in: tests/test_sandbox.py)."""
 import pytest
 
 from posttrain.envs import get_env
-from posttrain.gate import decide
-from posttrain.rewards import build_rewards
+from posttrain.scoring.gate import decide
+from posttrain.scoring.rewards import build_rewards
 
 
 @pytest.fixture(scope="module")

@@ -103,7 +103,7 @@ def references(path: str, root: Path = REPO) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = ".".join(filter(None, [package.rsplit(".", node.level - 1)[0] if node.level else "", node.module]))
             names += [base] + [f"{base}.{alias.name}" for alias in node.names]
-        elif isinstance(node, (ast.List, ast.Tuple)):   # [sys.executable, "-m", "posttrain.engine.sample", ...]
+        elif isinstance(node, (ast.List, ast.Tuple)):   # [sys.executable, "-m", "posttrain.vllm_engine.sample", ...]
             values = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
             names += [value for flag, value in zip(values, values[1:]) if flag == "-m" and isinstance(value, str)]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -194,17 +194,17 @@ def missing_deps(root: Path = REPO) -> list[str]:
 
 # --- the walk itself: one case per line -------------------------------------------------
 @pytest.mark.parametrize("stage, path, reached", [
-    ("sft", "posttrain/sandbox.py", True),            # stages/sft -> envs -> envs/sql -> sandbox
-    ("sft", "posttrain/evaluation.py", True),         # a top-level import of the stage module
+    ("sft", "posttrain/scoring/sandbox.py", True),            # stages/sft -> envs -> envs/sql -> sandbox
+    ("sft", "posttrain/scoring/evaluation.py", True),         # a top-level import of the stage module
     ("grpo", "posttrain/config.py", True),            # every stage loads the config
-    ("grpo", "posttrain/checkpoints.py", True),       # `from posttrain import checkpoints`
-    ("prepare", "posttrain/rewards.py", True),        # config.py imports it inside a function
+    ("grpo", "posttrain/training/checkpoints.py", True),       # `from posttrain import checkpoints`
+    ("prepare", "posttrain/scoring/rewards.py", True),        # config.py imports it inside a function
     ("prepare", "posttrain/envs/arithmetic.py", True),  # environments load by name
-    ("evaluate", "posttrain/engine/sample.py", True),   # `python -m posttrain.engine.sample` subprocess
-    ("serving", "posttrain/engine/loadtest.py", True),       # imported inside a function
+    ("evaluate", "posttrain/vllm_engine/sample.py", True),   # `python -m posttrain.vllm_engine.sample` subprocess
+    ("serving", "posttrain/vllm_engine/loadtest.py", True),       # imported inside a function
     ("prepare", "posttrain/__init__.py", True),       # runs before any posttrain module
-    ("serving", "posttrain/training.py", False),      # only the training stages import it
-    ("sft", "posttrain/compare.py", False),           # cli.py imports it for `posttrain compare` only
+    ("serving", "posttrain/training/trainer.py", False),      # only the training stages import it
+    ("sft", "posttrain/tracking/compare.py", False),           # cli.py imports it for `posttrain compare` only
     ("sft", "posttrain/stages/grpo.py", False),       # cli.py imports the one stage it runs
 ])
 def test_the_walk_finds_what_a_stage_runs(stage, path, reached):

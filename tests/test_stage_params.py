@@ -70,7 +70,7 @@ READS = {
     "evaluate": ({"evaluate"}, "config.evaluate: the held-out sampling and its report"),
     "evaluate.max_new_tokens": ({*EVERY_GATE, "evaluate"}, "also the gates' generation length, sft's stop_when "
                                                            "measure and grpo's filter default"),
-    "promotion": (set(), "the flow reads it after the stages (posttrain/promotion.py); the check only refuses"),
+    "promotion": (set(), "the flow reads it after the stages (posttrain/tracking/promotion.py); the check only refuses"),
     "stats.alpha": (set(GRPO), "gate.decide's paired test; every interval is 95% whatever alpha (stats.intervals)"),
     "stats.bootstrap_resamples": (SCORERS, "the intervals of every gate evaluation and of evaluate's report"),
     "tracking": (set(), "where the records go: no one retrains because the tracking server moved"),

@@ -1,4 +1,4 @@
-"""The stage host (posttrain/stagehost.py): a command it runs behaves as the command run
+"""The stage host (posttrain/runtime/stagehost.py): a command it runs behaves as the command run
 alone (exit code, output, the workspace's code as it is on disk), a command it cannot run
 alike runs in its own process, the config check answers as it would here, and a stage
 ends with its client. Real processes throughout: a host, its forks, the clients."""
@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from conftest import REPO, SMALL, make_workspace
-from posttrain import stagehost
+from posttrain.runtime import stagehost
 from posttrain.workspace import stage_env
 
 pytestmark = pytest.mark.slow  # a host imports torch, transformers and TRL: seconds before it serves
@@ -114,7 +114,7 @@ def test_a_stage_ends_with_its_client(workspace):
     """kill -9 of the command DVC started (as when dvc or the flow dies): its fork ends too;
     a SIGTERM to the client reaches the fork, whose exit code the client passes on."""
     ws, path = workspace
-    host = next(p for p in psutil.Process().children() if "posttrain.stagehost" in " ".join(p.cmdline()))
+    host = next(p for p in psutil.Process().children() if "posttrain.runtime.stagehost" in " ".join(p.cmdline()))
     env = hosted_env(ws, **{stagehost.ENV_VAR: path})
     prepared = posttrain(stage_command(ws, "prepare"), ws, env)
     assert prepared.returncode == 0 and "did not take" not in prepared.stderr, prepared.stderr

@@ -1,4 +1,4 @@
-"""Intervals and tests (posttrain.stats) against scipy.stats and statsmodels, case by case."""
+"""Intervals and tests (posttrain.scoring.stats) against scipy.stats and statsmodels, case by case."""
 
 import numpy as np
 import pytest
@@ -6,8 +6,8 @@ from scipy import stats as sps
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.proportion import proportion_confint
 
-from posttrain import stats
-from posttrain.metrics import pass_at_k
+from posttrain.scoring import stats
+from posttrain.scoring.metrics import pass_at_k
 
 
 @pytest.mark.parametrize("successes,n", [

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from posttrain.envs import get_env
-from posttrain.stopping import StopOnTarget, carve_validation, validation_curve
+from posttrain.training.stopping import StopOnTarget, carve_validation, validation_curve
 
 
 def train(tmp_path, *, stopper: dict | None, epochs: int = 2):
@@ -16,8 +16,8 @@ def train(tmp_path, *, stopper: dict | None, epochs: int = 2):
     from transformers import AutoTokenizer, Trainer
     from trl import SFTConfig, SFTTrainer
 
-    from posttrain.trl_bridge import device_defaults
-    from posttrain.tiny_model import save_tiny_model
+    from posttrain.training.trl_bridge import device_defaults
+    from posttrain.training.tiny_model import save_tiny_model
 
     base = tmp_path / "base"
     if not base.exists():

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conftest import copy_workspace, sh
-from posttrain.engine.loadtest import free_port
+from posttrain.vllm_engine.loadtest import free_port
 from servers import api, prefect_server, process_env, running, wait_for
 
 pytestmark = pytest.mark.slow

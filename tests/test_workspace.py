@@ -79,7 +79,7 @@ def test_a_wheel_holds_what_a_workspace_needs(tmp_path):
                           capture_output=True, text=True, check=True)
     assert done.stdout.strip() == str(tmp_path / "site" / "posttrain")    # not this checkout's package
     for path in ("dvc.yaml", ".gitignore", ".dvcignore", "configs/gpus.yaml", "datasets/README.md", "custom/README.md",
-                 "posttrain/gpus.yaml", "posttrain/stages/sft.py"):
+                 "posttrain/capacity/gpus.yaml", "posttrain/stages/sft.py"):
         assert (tmp_path / "ws" / path).is_file() and not (tmp_path / "ws" / path).is_symlink(), path
     assert (tmp_path / "ws" / "dvc.yaml").read_text() == (repo / "dvc.yaml").read_text()
     assert not (tmp_path / "ws" / "posttrain" / "template").exists()

@@ -5,7 +5,7 @@
 - an entry point an installed package registers in the group `posttrain.envs`;
 - an import path `package.module:factory` (a class or a function), resolved with the
   workspace first on the path: a workspace's own environments live in `custom/`.
-Reward channels (`posttrain.rewards`) are built on an environment's parser and verifier.
+Reward channels (`posttrain.scoring.rewards`) are built on an environment's parser and verifier.
 """
 
 from __future__ import annotations

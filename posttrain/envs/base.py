@@ -15,7 +15,7 @@ Required:
   `correctness` channel, the gate, evaluation, pass@k). The SFT targets must verify:
   the format contract refuses SFT before compute otherwise.
 Neither `parse` nor `verify` does I/O or keeps state, so rewards built on them stay pure
-(a task that must execute model output does it sandboxed: `posttrain.sandbox`).
+(a task that must execute model output does it sandboxed: `posttrain.scoring.sandbox`).
 
 Optional:
 - `name` (str): how messages name it (default: what `data.env` says).
@@ -24,7 +24,7 @@ Optional:
   Without it the options are passed as keyword arguments unchecked.
 - `check_row(row) -> str | None`: why an incoming row (`incoming/`, posttrain.ingest)
   is not a valid example beyond verifying its own completion, or None.
-- Reward channels are not the environment's: `posttrain.rewards` builds them from
+- Reward channels are not the environment's: `posttrain.scoring.rewards` builds them from
   `parse`/`verify`, and a stage may add its own by import path.
 
 What an import path may name (posttrain.plugins): a function or class of your own module

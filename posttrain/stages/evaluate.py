@@ -18,13 +18,13 @@ import mlflow
 
 from posttrain import stageid
 from posttrain.envs import get_env
-from posttrain.evaluation import (known_greedy, outcomes, report_timeouts, resolve_backend, sample_models, score,
+from posttrain.scoring.evaluation import (known_greedy, outcomes, report_timeouts, resolve_backend, sample_models, score,
                                   timeout_counts)
 from posttrain.files import read_jsonl, write_json
 from posttrain.layout import model_dirs, read_card
-from posttrain.lineage import log_datasets
-from posttrain.rewards import curve_name, reward_channel
-from posttrain.tracking import compute, flatten, stage_run
+from posttrain.tracking.lineage import log_datasets
+from posttrain.scoring.rewards import curve_name, reward_channel
+from posttrain.tracking.mlflow_runs import compute, flatten, stage_run
 
 
 def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_path: str,

@@ -13,19 +13,21 @@ from pathlib import Path
 
 import mlflow
 
-from posttrain import checkpoints, fit, launch
+from posttrain.training import checkpoints
+from posttrain.capacity import fit
+from posttrain.runtime import launch
 from posttrain.chat import grpo_rows
-from posttrain.trl_bridge import build_trl_config, grpo_trl_options
+from posttrain.training.trl_bridge import build_trl_config, grpo_trl_options
 from posttrain.envs import get_env
-from posttrain.evaluation import add_timeout_counts, pass_rates, report_timeouts
+from posttrain.scoring.evaluation import add_timeout_counts, pass_rates, report_timeouts
 from posttrain.files import read_jsonl, write_json
 from posttrain.layout import PARAMS_FILE, read_card, write_card
-from posttrain.lineage import log_datasets
-from posttrain.gate import decide, reward_trend
-from posttrain.rewards import build_rewards
+from posttrain.tracking.lineage import log_datasets
+from posttrain.scoring.gate import decide, reward_trend
+from posttrain.scoring.rewards import build_rewards
 from posttrain.stageid import StageId
-from posttrain.tracking import compute, flatten, stage_run
-from posttrain.training import gate_evaluation, gate_figures, log_to_mlflow, lora_config, save_model, train
+from posttrain.tracking.mlflow_runs import compute, flatten, stage_run
+from posttrain.training.trainer import gate_evaluation, gate_figures, log_to_mlflow, lora_config, save_model, train
 
 ZERO_STD_WARNING = 0.5
 
@@ -100,7 +102,7 @@ def filter_prompts(config, stage, env, init_dir: str, rows: list[dict]) -> tuple
 
 def train_job(config, job: dict) -> dict:
     """Train with TRL and save the model to `job["out_dir"]` (on every rank of a launched
-    job: posttrain.launch); returns the reward curve and the training summary."""
+    job: posttrain.runtime.launch); returns the reward curve and the training summary."""
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -140,14 +142,14 @@ def gate_metrics(candidate: dict, decision, k: int) -> dict:
 def record(name, metrics, decision, curve, metrics_path, curve_path) -> None:
     """Metrics to MLflow and metrics/, the gate's verdict as tags, loud warnings."""
     mlflow.log_metrics({f"stage.{k}": v for k, v in flatten(metrics).items()})
-    tags = {"posttrain.gate": "accepted" if decision.accepted else "rejected", "posttrain.gate_reason": decision.reason}
+    tags = {"posttrain.scoring.gate": "accepted" if decision.accepted else "rejected", "posttrain.gate_reason": decision.reason}
     if metrics.get("frac_reward_zero_std_mean", 0.0) > ZERO_STD_WARNING:
         warning = (f"stage {name}: {metrics['frac_reward_zero_std_mean']:.0%} of groups had zero reward variance "
                    "(no gradient); widen the pass-rate band, add a denser reward channel, or change temperature")
         print(f"posttrain: WARNING: {warning}", flush=True)
         tags["posttrain.warning.zero_std"] = warning
     report_timeouts(f"stage {name}", metrics)
-    print(f"posttrain: gate {tags['posttrain.gate']} stage {name}: {decision.reason}", flush=True)
+    print(f"posttrain: gate {tags['posttrain.scoring.gate']} stage {name}: {decision.reason}", flush=True)
     mlflow.set_tags(tags)
     write_json(metrics_path, metrics)
     write_json(curve_path, curve)
@@ -156,7 +158,7 @@ def record(name, metrics, decision, curve, metrics_path, curve_path) -> None:
 def pass_through(init_dir, out_dir, previous, metrics_path, curve_path) -> dict[str, float]:
     """An earlier stage was rejected with `on_reject: stop`: output the model unchanged."""
     shutil.copytree(init_dir, out_dir)
-    mlflow.set_tags({"posttrain.gate": "skipped", "posttrain.gate_reason": f"stopped at {previous['stopped_at']}"})
+    mlflow.set_tags({"posttrain.scoring.gate": "skipped", "posttrain.gate_reason": f"stopped at {previous['stopped_at']}"})
     metrics = {"skipped": 1.0, "accepted": 0.0}
     write_json(metrics_path, metrics)
     write_json(curve_path, [])

@@ -17,9 +17,9 @@ from posttrain.envs import get_env
 from posttrain.files import write_json, write_jsonl
 from posttrain.ingest import extra_rows
 from posttrain.layout import BASE_POINTER
-from posttrain.lineage import log_datasets, workspace_datasets
-from posttrain.tiny_model import save_tiny_model
-from posttrain.tracking import compute, log_json_artifact, stage_run
+from posttrain.tracking.lineage import log_datasets, workspace_datasets
+from posttrain.training.tiny_model import save_tiny_model
+from posttrain.tracking.mlflow_runs import compute, log_json_artifact, stage_run
 
 
 def main(config, *, data_dir: str, datasets_dir: str, model_dir: str, metrics_path: str) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Stage `serving`: how many concurrent sessions the trained model fits on a GPU profile.
 
 Predicted from the model's config and weights' size with vLLM's arithmetic
-(`posttrain.kv`) on the configured GPU profile and context length, and checked against
+(`posttrain.capacity.kv`) on the configured GPU profile and context length, and checked against
 real vLLM on this machine: the model is served with a fixed KV memory, vLLM's own block
 count, KV cache tokens and maximum concurrency must equal the prediction, and the same
 server takes the load test (one engine start for both).
@@ -13,13 +13,13 @@ import importlib.util
 
 import mlflow
 
-from posttrain import kv
+from posttrain.capacity import kv
 from posttrain.errors import GateFailure, PredictionMismatch
 from posttrain.files import read_jsonl, write_json
-from posttrain.kv import capacity, concurrency_by_context, kv_spec, load_config_json, paging
+from posttrain.capacity.kv import capacity, concurrency_by_context, kv_spec, load_config_json, paging
 from posttrain.layout import final_model_dir, resolve_model_dir
-from posttrain.profiles import load_gpu_profile
-from posttrain.tracking import compute, log_json_artifact, stage_run
+from posttrain.capacity.profiles import load_gpu_profile
+from posttrain.tracking.mlflow_runs import compute, log_json_artifact, stage_run
 
 
 CONTEXTS = [2**i for i in range(9, 18)]  # 512 .. 131,072 tokens: the concurrency plot's x axis
@@ -115,7 +115,7 @@ def check_with_vllm(model_dir: str, serving, prompts: list[str]) -> dict:
     `prompts` more at once than the engine runs (they queue). Each as `serving:` enables it;
     a failed request fails the stage. The context is capped at the model's
     `max_position_embeddings` (vLLM refuses more)."""
-    from posttrain.engine.loadtest import load_test, server_capacity, vllm_server
+    from posttrain.vllm_engine.loadtest import load_test, server_capacity, vllm_server
 
     check, settings = serving.vllm_check, serving.load_test
     context = min(serving.context_length, int(load_config_json(model_dir).get("max_position_embeddings", 10**9)))
@@ -136,9 +136,9 @@ def check_with_vllm(model_dir: str, serving, prompts: list[str]) -> dict:
 
 def vllm_or_warn(model_dir: str, serving, data_dir: str) -> dict:
     """`check_with_vllm`'s figures; a loud tag for each part that is off or cannot run."""
-    tags = {"posttrain.engine.check": "disabled in config (serving.vllm_check.enabled)",
+    tags = {"posttrain.vllm_engine.check": "disabled in config (serving.vllm_check.enabled)",
             "posttrain.load_test": "disabled in config (serving.load_test.enabled)"}
-    enabled = {"posttrain.engine.check": serving.vllm_check.enabled, "posttrain.load_test": serving.load_test.enabled}
+    enabled = {"posttrain.vllm_engine.check": serving.vllm_check.enabled, "posttrain.load_test": serving.load_test.enabled}
     if not any(enabled.values()):
         mlflow.set_tags(tags)
         return {}
@@ -148,8 +148,8 @@ def vllm_or_warn(model_dir: str, serving, data_dir: str) -> dict:
         return {}
     with compute("vllm"):  # start, capacity check, load test
         report = check_with_vllm(model_dir, serving, [r["prompt"] for r in read_jsonl(f"{data_dir}/heldout.jsonl")])
-    mlflow.set_tags({"posttrain.engine.check": "matched" if enabled["posttrain.engine.check"] else tags[
-        "posttrain.engine.check"], "posttrain.load_test": "passed" if enabled["posttrain.load_test"] else tags[
+    mlflow.set_tags({"posttrain.vllm_engine.check": "matched" if enabled["posttrain.vllm_engine.check"] else tags[
+        "posttrain.vllm_engine.check"], "posttrain.load_test": "passed" if enabled["posttrain.load_test"] else tags[
         "posttrain.load_test"]})
     return report
 

@@ -3,7 +3,7 @@
 The `sft.trl` block goes into `SFTConfig` unchanged; posttrain sets only the output
 folder (checkpoints outside the DVC output, so a rerun can resume) and MLflow logging.
 With `sft.stop_when`, training stops once greedy accuracy on a validation split carved
-from the training rows reaches the target (`posttrain.stopping`); the validation curve
+from the training rows reaches the target (`posttrain.training.stopping`); the validation curve
 goes to MLflow (`validation_greedy_accuracy` by step) and to `curve_path`, the step it
 stopped at to the metrics. The warmed-up model is evaluated on the held-out split: the
 first GRPO gate's baseline.
@@ -16,17 +16,19 @@ from pathlib import Path
 
 import mlflow
 
-from posttrain import checkpoints, fit, launch
+from posttrain.training import checkpoints
+from posttrain.capacity import fit
+from posttrain.runtime import launch
 from posttrain.chat import sft_rows
-from posttrain.trl_bridge import build_trl_config
+from posttrain.training.trl_bridge import build_trl_config
 from posttrain.envs import get_env
-from posttrain.evaluation import add_timeout_counts, check_format_contract, report_timeouts
+from posttrain.scoring.evaluation import add_timeout_counts, check_format_contract, report_timeouts
 from posttrain.files import read_jsonl, write_json
 from posttrain.layout import PARAMS_FILE, resolve_model_dir, write_card
-from posttrain.lineage import log_datasets
-from posttrain.stopping import StopOnTarget, carve_validation, validation_curve
-from posttrain.tracking import compute, flatten, stage_run
-from posttrain.training import gate_evaluation, gate_figures, log_to_mlflow, lora_config, save_model, train
+from posttrain.tracking.lineage import log_datasets
+from posttrain.training.stopping import StopOnTarget, carve_validation, validation_curve
+from posttrain.tracking.mlflow_runs import compute, flatten, stage_run
+from posttrain.training.trainer import gate_evaluation, gate_figures, log_to_mlflow, lora_config, save_model, train
 
 
 def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: str,
@@ -77,7 +79,7 @@ def split_validation(config, rows: list[dict]) -> tuple[list[dict], list[dict]]:
 
 def train_job(config, job: dict) -> dict:
     """Train with TRL and save the model to `job["out_dir"]` (on every rank of a launched
-    job: posttrain.launch); what the stage reads back: the log history, the step count, wall
+    job: posttrain.runtime.launch); what the stage reads back: the log history, the step count, wall
     seconds of train(), the step it resumed from, the seconds spent measuring for `stop_when`."""
     from datasets import Dataset
     from transformers import AutoTokenizer, Trainer

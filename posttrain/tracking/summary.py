@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from posttrain.stageid import StageId, kind_of
-from posttrain.stats import format_p
-from posttrain.tracking import run_link
+from posttrain.scoring.stats import format_p
+from posttrain.tracking.mlflow_runs import run_link
 
 
 def figure(value: float, ci: list[float] | None) -> str:

@@ -19,7 +19,7 @@ import os
 import re
 from pathlib import Path
 
-from posttrain import stats
+from posttrain.scoring import stats
 from posttrain.errors import UserError
 from posttrain.stageid import kind_of
 
@@ -243,7 +243,7 @@ def compare(refs: list[str], *, out: str, model_name: str, tracking_uri: str | N
     import mlflow
     from mlflow import MlflowClient
 
-    from posttrain.tracking import run_outcomes
+    from posttrain.tracking.mlflow_runs import run_outcomes
 
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
@@ -254,7 +254,7 @@ def compare(refs: list[str], *, out: str, model_name: str, tracking_uri: str | N
     text = render(refs, runs, differing_params(runs), metrics_table(runs), outcomes=outcomes, **settings)
     plot(client, refs, runs, out)
     with mlflow.start_run(experiment_id=runs[0].info.experiment_id, run_name="compare") as run:
-        mlflow.set_tags({"posttrain.compare": ",".join(r.info.run_id for r in runs)})
+        mlflow.set_tags({"posttrain.tracking.compare": ",".join(r.info.run_id for r in runs)})
         mlflow.log_artifact(out)
         mlflow.log_text(text, "compare.txt")
     return text + f"\n\noverlay plot: {out} (also an artifact of MLflow run {run.info.run_id})"

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 
-from posttrain import stats
+from posttrain.scoring import stats
 from posttrain.chat import reward_columns
-from posttrain.generation import generate, load_policy
-from posttrain.metrics import mean_pass_at_k
+from posttrain.scoring.generation import generate, load_policy
+from posttrain.scoring.metrics import mean_pass_at_k
 
 
 def resolve_backend(backend: str) -> str:
@@ -50,7 +50,7 @@ def sample_models(models: dict[str, str], prompts: list[str], *, backend: str, n
 
 
 def _sample_vllm(models, prompts, *, n, temperature, max_new_tokens, seed):
-    """`posttrain.engine.sample` in its own process (vLLM must start under `__main__`)."""
+    """`posttrain.vllm_engine.sample` in its own process (vLLM must start under `__main__`)."""
     import json
     import subprocess
     import sys
@@ -63,7 +63,7 @@ def _sample_vllm(models, prompts, *, n, temperature, max_new_tokens, seed):
            "kv_cache_memory_bytes": 256 * 2**20}
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "job.json").write_text(json.dumps(job))
-        done = subprocess.run([sys.executable, "-m", "posttrain.engine.sample", "--job", f"{tmp}/job.json",
+        done = subprocess.run([sys.executable, "-m", "posttrain.vllm_engine.sample", "--job", f"{tmp}/job.json",
                                "--out", f"{tmp}/out.json"], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"vLLM sampling failed: {done.stderr.strip()[-800:]}")
@@ -76,7 +76,7 @@ def score(env, rows: list[dict], greedy: list[str], sampled: list[list[str]], *,
     """`(result, samples)` from a model's completions.
 
     result: `greedy_accuracy`, `pass_at_k` (k -> value), `n_prompts`, and their 95%
-    intervals `greedy_accuracy_ci95` and `pass_at_k_ci95` (`posttrain.stats.intervals`).
+    intervals `greedy_accuracy_ci95` and `pass_at_k_ci95` (`posttrain.scoring.stats.intervals`).
     samples: one row per prompt with the prompt, the greedy completion, the answer, every
     reward channel in `channels` (name -> reward function) on that completion, the
     verifier's verdict, and how many of the sampled completions were correct.
@@ -98,7 +98,7 @@ def score(env, rows: list[dict], greedy: list[str], sampled: list[list[str]], *,
 
 def known_greedy(evaluations: dict[str, dict | None], prompts: list[str], max_new_tokens: int) -> dict[str, list[str]]:
     """Model name -> its greedy completions of `prompts`, from the gate evaluations the
-    training stages stored in their model cards (`posttrain.training.gate_evaluation`),
+    training stages stored in their model cards (`posttrain.training.trainer.gate_evaluation`),
     for each model whose evaluation decoded every prompt with the same `max_new_tokens`."""
     known = {}
     for name, evaluation in evaluations.items():
@@ -112,7 +112,7 @@ def known_greedy(evaluations: dict[str, dict | None], prompts: list[str], max_ne
 
 
 def outcomes(samples: list[dict], n: int) -> dict:
-    """The per-prompt record paired tests read (`posttrain.stats`): prompts, greedy
+    """The per-prompt record paired tests read (`posttrain.scoring.stats`): prompts, greedy
     verdicts (0/1), correct samples per prompt, and samples per prompt."""
     return {"prompts": [s["prompt"] for s in samples], "greedy": [int(s["correct"]) for s in samples],
             "correct": [int(s["sampled_correct"]) for s in samples], "n": n}

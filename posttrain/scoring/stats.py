@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from posttrain.metrics import pass_at_k
+from posttrain.scoring.metrics import pass_at_k
 
 Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
 # evaluate.<model>.<figure>: the metrics per-prompt outcomes can test (a model name may hold a dot)

@@ -18,9 +18,9 @@ from typing import NamedTuple
 
 from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 
-from posttrain import stats
-from posttrain.lineage import log_model
-from posttrain.tracking import OUTCOMES_ARTIFACT, run_outcomes
+from posttrain.scoring import stats
+from posttrain.tracking.lineage import log_model
+from posttrain.tracking.mlflow_runs import OUTCOMES_ARTIFACT, run_outcomes
 
 
 class Promotion(NamedTuple):
@@ -115,8 +115,8 @@ def promote(config, run_id: str, model_dir: str, metrics: dict[str, float], serv
     client.set_logged_model_tags(model.model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(
         [{"name": settings.model_name, "version": str(version)}])})
     client.set_registered_model_alias(settings.model_name, alias, version)
-    client.set_model_version_tag(settings.model_name, version, "posttrain.promotion", reason)
-    for key, value in {"posttrain.promotion": alias, "posttrain.promotion_reason": reason,
+    client.set_model_version_tag(settings.model_name, version, "posttrain.tracking.promotion", reason)
+    for key, value in {"posttrain.tracking.promotion": alias, "posttrain.promotion_reason": reason,
                        "posttrain.model_version": str(version)}.items():
         client.set_tag(run_id, key, value)
     return Promotion(alias, str(version), reason)

@@ -1,7 +1,7 @@
 """What a killed run leaves in MLflow: the next run marks the runs it left RUNNING.
 
 A process killed with SIGKILL runs no `finally` and no `atexit`: its MLflow runs keep
-the status RUNNING (its child processes end with it: posttrain.lifetime). The workspace
+the status RUNNING (its child processes end with it: posttrain.runtime.lifetime). The workspace
 lock (held by every live retrain run of a workspace, flows.lock) tells the
 next run that a RUNNING run of the workspace is dead.
 """

@@ -1,7 +1,7 @@
 """The stage gate: accept a model only if held-out truth did not get worse.
 
 Pure functions over evaluation results `{"greedy_accuracy": a, "pass_at_k": {k: p}}`,
-which may carry per-prompt `outcomes` (`posttrain.evaluation.outcomes`). Each sentinel
+which may carry per-prompt `outcomes` (`posttrain.scoring.evaluation.outcomes`). Each sentinel
 that fires adds one sentence saying what happened; any sentence rejects.
 
 A drop counts only when it is both larger than the tolerance (the practical margin)
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from posttrain import stats
+from posttrain.scoring import stats
 
 
 class Decision(NamedTuple):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from posttrain import launch
-from posttrain.evaluation import evaluate_model, outcomes
+from posttrain.runtime import launch
+from posttrain.scoring.evaluation import evaluate_model, outcomes
 from posttrain.files import read_jsonl
 
 
@@ -86,7 +86,7 @@ def lora_config(where: str, options: dict | None):
     trains every weight."""
     if options is None:
         return None
-    from posttrain.trl_bridge import build_lora_config
+    from posttrain.training.trl_bridge import build_lora_config
 
     return build_lora_config(where, options)
 
@@ -119,7 +119,7 @@ def save_model(trainer, out_dir: str) -> None:
 def gate_evaluation(model_dir: str, env, config, data_dir: str) -> dict:
     """Held-out greedy accuracy and the gate's pass@k for one model, with their 95%
     intervals, the per-prompt `outcomes` the gate's paired tests read, and the greedy
-    completions themselves (`greedy`: the evaluate stage reuses them, posttrain.evaluation)."""
+    completions themselves (`greedy`: the evaluate stage reuses them, posttrain.scoring.evaluation)."""
     gate = config.gate
     rows = read_jsonl(Path(data_dir) / "heldout.jsonl")[:gate.max_prompts]
     result, samples = evaluate_model(model_dir, env, rows, n_samples=gate.n_samples, temperature=gate.temperature,

@@ -12,8 +12,8 @@ import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from posttrain.modelconfig import GIB, head_counts, load_config_json, positive, text_config  # noqa: F401 (re-exported)
-from posttrain.modelconfig import LARGEST_DIMENSION, count
+from posttrain.capacity.modelconfig import GIB, head_counts, load_config_json, positive, text_config  # noqa: F401 (re-exported)
+from posttrain.capacity.modelconfig import LARGEST_DIMENSION, count
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
 ATTENTION_LAYERS = {"full_attention", "attention", "sliding_attention", "chunked_attention"}
@@ -141,7 +141,7 @@ def header_elements(file: Path) -> int:
 def kv_memory_for(model_dir: str | Path, config: dict, *, profile: dict | None = None, utilization: float = 0.92,
                   tp: int = 1, kv_dtype: str = "auto", kv_memory_bytes: int | None = None) -> tuple:
     """(KV spec, weights' bytes per GPU, KV memory per GPU) of a model split over `tp` GPUs
-    of `profile` (`posttrain.profiles.load_gpu_profile`), or with exactly `kv_memory_bytes` of KV memory."""
+    of `profile` (`posttrain.capacity.profiles.load_gpu_profile`), or with exactly `kv_memory_bytes` of KV memory."""
     spec = kv_spec(config, tp=tp, kv_dtype=kv_dtype)
     weights = weight_bytes(model_dir, config) // tp
     if kv_memory_bytes is None:

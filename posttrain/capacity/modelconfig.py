@@ -1,5 +1,5 @@
 """A Hugging Face model's config.json: reading it, and the fields the KV-cache arithmetic
-(posttrain/kv.py) and the training-memory plan (posttrain/memory.py) both read."""
+(posttrain/capacity/kv.py) and the training-memory plan (posttrain/capacity/memory.py) both read."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Run as its own process (vLLM spawns workers, so it must start under `__main__`):
 
-    python -m posttrain.engine.sample --job JOB.json --out OUT.json
+    python -m posttrain.vllm_engine.sample --job JOB.json --out OUT.json
 
 JOB holds `models` (name -> folder), `prompts`, `n`, `temperature`, `max_tokens`, `seed`.
 One engine serves every model where it can: it starts on the first, and each later model
@@ -40,7 +40,7 @@ def load_into(llm, model_dir: str) -> None:
 def engine_inputs(tokenizer, prompts: list[str]) -> list:
     """The prompts as vLLM takes them: text, or token ids when a chat template already
     wrote the BOS token (vLLM would add another, as transformers would)."""
-    from posttrain.generation import rendered_with_bos
+    from posttrain.scoring.generation import rendered_with_bos
 
     if not rendered_with_bos(tokenizer, prompts):
         return prompts
@@ -80,7 +80,7 @@ def sample(job: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m posttrain.engine.sample")
+    parser = argparse.ArgumentParser(prog="python -m posttrain.vllm_engine.sample")
     parser.add_argument("--job", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

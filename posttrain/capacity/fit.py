@@ -2,7 +2,7 @@
 the GPUs it declares (`training.gpu`, `training.num_gpus`), and the cheapest change that
 makes a stage fit.
 
-A stage's plan is `posttrain.memory.plan` of the setup the stage will run:
+A stage's plan is `posttrain.capacity.memory.plan` of the setup the stage will run:
 - the model: `model.path`'s config.json, or the tiny model's shape;
 - the launcher (`launcher:` / the stage's own): processes x nodes GPUs, one per process;
   its accelerate config's DeepSpeed `zero_stage` and CPU offload, FSDP as ZeRO-3;
@@ -28,10 +28,10 @@ import re
 from pathlib import Path
 
 from posttrain.errors import UserError
-from posttrain.machine import cuda_devices
-from posttrain.memory import GIB, LINEAR_NAMES, LINEARS, Setup, optimizer_state_bytes, plan
+from posttrain.runtime.host_checks import cuda_devices
+from posttrain.capacity.memory import GIB, LINEAR_NAMES, LINEARS, Setup, optimizer_state_bytes, plan
 from posttrain.stageid import StageId, training_stages
-from posttrain.modelconfig import FIELD_FIX, LARGEST_DIMENSION, BadField
+from posttrain.capacity.modelconfig import FIELD_FIX, LARGEST_DIMENSION, BadField
 from posttrain.yamlfile import show
 
 FIX_LORA_RANK = 16  # the adapter a fix proposes: rank 16 on every linear
@@ -41,10 +41,10 @@ def model_config(config) -> dict:
     """The config.json of the model the pipeline trains: `model.path`'s, or the tiny
     model's (a Llama with tied embeddings and one token per character)."""
     if config.model.path is not None:
-        from posttrain.modelconfig import load_config_json
+        from posttrain.capacity.modelconfig import load_config_json
 
         return load_config_json(config.model.path)
-    from posttrain.tiny_model import CHARACTERS, SPECIAL_TOKENS
+    from posttrain.training.tiny_model import CHARACTERS, SPECIAL_TOKENS
 
     tiny = config.model.tiny
     return {"model_type": "llama", "vocab_size": len(SPECIAL_TOKENS) + len(CHARACTERS),
@@ -60,7 +60,7 @@ def sharding(launcher, where: str) -> dict:
     FSDP shards as ZeRO-3 with the Trainer's states); DDP otherwise."""
     if launcher.accelerate_config is None:
         return {"zero": 0, "engine": "trainer"}
-    from posttrain.machine import accelerate_config, distributed_type, zero_stage
+    from posttrain.runtime.host_checks import accelerate_config, distributed_type, zero_stage
 
     loaded = accelerate_config(where, launcher.accelerate_config)
     kind = distributed_type(loaded)
@@ -166,7 +166,7 @@ def stage_setup(config, stage: str, *, prompt_chars: int, gpu: bool, where: str)
     TRL's default) rather than this machine's CPU (fp32)."""
     import trl as trl_package
 
-    from posttrain.trl_bridge import trl_schema
+    from posttrain.training.trl_bridge import trl_schema
     from posttrain.yamlfile import schema_error
     from pydantic import ValidationError
 
@@ -214,7 +214,7 @@ def budget(config, config_dir: Path) -> tuple[int, int, str] | None:
     without `training.gpu`."""
     if config.training.gpu is None:
         return None
-    from posttrain.profiles import load_gpu_profile, profiles_path
+    from posttrain.capacity.profiles import load_gpu_profile, profiles_path
 
     profile = load_gpu_profile(profiles_path(config_dir), config.training.gpu)
     usable = int((profile["memory_gib"] - profile["reserve_gib"]) * GIB)
@@ -335,7 +335,7 @@ def cheapest_fix(config, stage: str, field: str, model: dict, setup: Setup, limi
 def accepted(config, stage: str, batch: int, steps: int, path: Path) -> bool:
     """Whether TRL accepts the stage's `trl:` block with this micro-batch and accumulation
     (GRPO: whole groups of `num_generations` per generation batch, at the launcher's world size)."""
-    from posttrain.trl_bridge import build_trl_config, grpo_trl_options, world_sized
+    from posttrain.training.trl_bridge import build_trl_config, grpo_trl_options, world_sized
 
     if stage == "sft":
         return True

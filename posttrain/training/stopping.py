@@ -31,7 +31,7 @@ def greedy_accuracy(model, tokenizer, env, rows: list[dict], max_new_tokens: int
     it is mid-training. The RNG is forked, so measuring never changes the training run."""
     import torch
 
-    from posttrain.generation import generate
+    from posttrain.scoring.generation import generate
 
     was_training, side = model.training, tokenizer.padding_side
     tokenizer.padding_side = "left"  # decoder-only generation continues the prompt's last token
@@ -81,7 +81,7 @@ class StopOnTarget(TrainerCallback):
         (a sharded model generates only with all of them) and all take rank 0's figure, so
         all stop at the same step: a rank that stopped alone would leave the others
         waiting in a collective."""
-        from posttrain.launch import from_main
+        from posttrain.runtime.launch import from_main
 
         started = time.perf_counter()
         accuracy = from_main(greedy_accuracy(model, tokenizer, self.env, self.rows, self.max_new_tokens))

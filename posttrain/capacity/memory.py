@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from posttrain.modelconfig import GIB, LARGEST_DIMENSION, BadField, field_refused, head_counts, positive, text_config
+from posttrain.capacity.modelconfig import GIB, LARGEST_DIMENSION, BadField, field_refused, head_counts, positive, text_config
 from posttrain.yamlfile import show
 
 DECODERS = {"llama", "mistral", "qwen2", "qwen3"}  # dense decoders: gate/up/down MLP, GQA attention
@@ -370,8 +370,8 @@ def report(model: str, setup: Setup, *, gpu: str | None, gpus_file: str) -> dict
     a GPU profile its memory and whether the plan fits. Bad input is a `UserError` naming
     the flag."""
     from posttrain.errors import UserError
-    from posttrain.modelconfig import load_config_json
-    from posttrain.profiles import load_gpu_profile
+    from posttrain.capacity.modelconfig import load_config_json
+    from posttrain.capacity.profiles import load_gpu_profile
 
     where = "posttrain memory"
     check_ranges(setup, where)

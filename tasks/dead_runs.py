@@ -7,13 +7,13 @@ import socket
 
 from prefect import get_run_logger, task
 
-from posttrain import crash
+from posttrain.runtime import dead_runs
 from tasks.dvc_stages import TASK_DEFAULTS
 
 
 @task(name="mark_dead_runs", **TASK_DEFAULTS)
 def mark_dead_runs(workdir: str, uri: str) -> list[str]:
-    """The workspace's retrain runs a killed run left RUNNING, marked KILLED (posttrain.crash).
+    """The workspace's retrain runs a killed run left RUNNING, marked KILLED (posttrain.runtime.dead_runs).
 
     Runs under the workspace lock, which every live retrain run of the workspace holds:
     whatever is still RUNNING then is dead, not running beside this one.
@@ -22,8 +22,8 @@ def mark_dead_runs(workdir: str, uri: str) -> list[str]:
 
     marked_by = (f"process {os.getpid()} on {socket.gethostname()} "
                  f"(retrain flow run {flow_run.name!r}, {flow_run.id})")
-    dead = crash.mark_dead_runs(uri, workdir, marked_by)
+    dead = dead_runs.mark_dead_runs(uri, workdir, marked_by)
     if dead:
         get_run_logger().warning(f"marked {len(dead)} MLflow run(s) a killed retrain run left RUNNING as KILLED "
-                                 f"(tag {crash.CRASH_TAG}): {', '.join(dead)}")
+                                 f"(tag {dead_runs.CRASH_TAG}): {', '.join(dead)}")
     return dead

@@ -69,7 +69,7 @@ def run_in_host(argv: list[str], *, stdio: tuple[int, int, int] = (0, 1, 2), qui
     path = os.environ.get(ENV_VAR)
     if not path or not argv or argv[0] not in COMMANDS:
         return None
-    from posttrain.lifetime import die_with_run
+    from posttrain.runtime.lifetime import die_with_run
 
     die_with_run()  # a stage's client ends with dvc and the flow; the stage ends with it
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -393,7 +393,7 @@ def hosting(workdir: str, env: dict[str, str]):
     import subprocess
     import tempfile
 
-    from posttrain import lifetime
+    from posttrain.runtime import lifetime
 
     if not (hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")):  # Linux >= 5.3, Python >= 3.9
         yield None
@@ -406,7 +406,7 @@ def hosting(workdir: str, env: dict[str, str]):
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener, tempfile.TemporaryFile("w+", errors="replace") as log:
         listener.bind(address(name))  # bound here: a stage that connects before the host is up waits for it
         listener.listen(16)
-        host = subprocess.Popen([sys.executable, "-m", "posttrain.stagehost", str(listener.fileno())],
+        host = subprocess.Popen([sys.executable, "-m", "posttrain.runtime.stagehost", str(listener.fileno())],
                                 cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 pass_fds=[listener.fileno()], preexec_fn=lifetime.die_with_this_thread())
         listener.close()  # the host's alone: the name goes with the host
@@ -439,6 +439,6 @@ def named(name: str, folder_key: str):
 
 
 if __name__ == "__main__":
-    from posttrain.lifetime import exit_now
+    from posttrain.runtime.lifetime import exit_now
 
     exit_now(serve(socket.socket(fileno=int(sys.argv[1]))))  # returns in a fork, once its stage has run

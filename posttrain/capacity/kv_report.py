@@ -1,5 +1,5 @@
 """The capacity of any model on a GPU, from its config alone (no weights): what
-`posttrain kv` prints. The arithmetic is posttrain.kv's, the same the serving stage uses;
+`posttrain kv` prints. The arithmetic is posttrain.capacity.kv's, the same the serving stage uses;
 this module checks the inputs a user gives it and names the flag at fault."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from posttrain.errors import UserError
-from posttrain.kv import GIB, capacity, kv_memory_for, kv_spec, load_config_json, tp_fits, tp_sizes
-from posttrain.modelconfig import BadField, field_refused
-from posttrain.profiles import load_gpu_profile
+from posttrain.capacity.kv import GIB, capacity, kv_memory_for, kv_spec, load_config_json, tp_fits, tp_sizes
+from posttrain.capacity.modelconfig import BadField, field_refused
+from posttrain.capacity.profiles import load_gpu_profile
 
 LARGEST = 2**40  # bound on every count and size: no model or GPU comes near, and the arithmetic stays exact
 

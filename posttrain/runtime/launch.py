@@ -7,7 +7,7 @@ pipeline's `launcher:` unless the stage has its own):
 
 - `in_process`: `function(config, job)` runs here, as it always did.
 - `torchrun` / `accelerate`: the job goes to `<run_dir>/launch/job.json` and the launcher
-  starts `python -m posttrain.launch JOB` as every process of this node (node 0); other
+  starts `python -m posttrain.runtime.launch JOB` as every process of this node (node 0); other
   nodes join with `posttrain join` and receive the job from rank 0. Every rank runs
   `function(config, job)`: the Trainer shards the batches and syncs the gradients (DDP,
   or DeepSpeed ZeRO / FSDP as the accelerate config says). Only global rank 0 saves the
@@ -36,10 +36,10 @@ import sys
 import time
 from pathlib import Path
 
-from posttrain import lifetime
+from posttrain.runtime import lifetime
 from posttrain.errors import TrainingFailed, UserError
 from posttrain.files import read_json, write_json
-from posttrain.machine import rdzv_endpoint
+from posttrain.runtime.host_checks import rdzv_endpoint
 from posttrain.probe import free_port, tcp_problem
 from posttrain.redact import redact_text
 from posttrain.yamlfile import show
@@ -49,7 +49,7 @@ EXAMPLES_KEPT = 2000           # example digests a rank report keeps (the count 
 
 
 def command(launcher, *, node_rank: int = 0, job: str | None = None, where: str = "launcher") -> list[str]:
-    """The launcher's command line that runs `python -m posttrain.launch [JOB]` on this node."""
+    """The launcher's command line that runs `python -m posttrain.runtime.launch [JOB]` on this node."""
     nodes, per_node = launcher.nodes, launcher.processes
     if launcher.type == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", str(per_node),
@@ -69,7 +69,7 @@ def command(launcher, *, node_rank: int = 0, job: str | None = None, where: str 
                     "--rdzv_conf", f"timeout={launcher.rdzv_timeout_s}"]
         else:
             cmd += ["--main_process_port", str(free_port())]
-    return [*cmd, "-m", "posttrain.launch", *([job] if job else [])]
+    return [*cmd, "-m", "posttrain.runtime.launch", *([job] if job else [])]
 
 
 def launch_env() -> dict[str, str]:

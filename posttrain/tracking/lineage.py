@@ -73,7 +73,7 @@ def log_datasets(paths: dict[str, str], workspace: str | Path = ".", run_id: str
     through `client` (an MlflowClient)."""
     from mlflow.entities import DatasetInput, InputTag
 
-    from posttrain.tracking import git_state
+    from posttrain.tracking.mlflow_runs import git_state
 
     commit = git_state(workspace)["git.commit"]
     inputs = [DatasetInput(dataset(path, workspace, commit)._to_mlflow_entity(), [InputTag(CONTEXT_TAG, context)])

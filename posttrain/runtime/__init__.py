@@ -1,0 +1,1 @@
+"""How stages run: the warm stage host, process lifetimes, launched ranks, this machine's checks, dead runs."""

@@ -1,0 +1,1 @@
+"""Judging models: rewards, guardrails, sampling and scoring, statistics, the gate, the SQL sandbox."""

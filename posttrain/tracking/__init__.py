@@ -1,0 +1,1 @@
+"""MLflow: runs and their records, lineage, promotion, comparing runs, the run summary."""
