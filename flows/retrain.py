@@ -72,7 +72,7 @@ def run_pipeline(config, workdir: str, uri: str) -> tuple[dict, str]:
         stages = stage_order(workdir)
         results: dict[str, dict] = {}
         for stage in stages:
-            results[stage["name"]] = run_stage(config, stage, workdir, run_id, uri, before=greedy_so_far(results))
+            results[stage["name"]] = stage_results(config, stage, workdir, run_id, uri, before=greedy_so_far(results))
         metrics = record_results(run_id, workdir, uri, results)
         get_run_logger().info(push_data(workdir))
         text = summary.render(results.get("evaluate", {}), results.get("serving", {}), config.serving.gpu,
@@ -90,7 +90,7 @@ def run_pipeline(config, workdir: str, uri: str) -> tuple[dict, str]:
     return results, text
 
 
-def run_stage(config, stage: dict, workdir: str, parent_run_id: str, uri: str, *, before: float | None) -> dict:
+def stage_results(config, stage: dict, workdir: str, parent_run_id: str, uri: str, *, before: float | None) -> dict:
     """One DVC stage, one task run named after it: a child run, `dvc repro` (retried), its record."""
     retries = config.orchestration.retries
     task = pipeline_stage.with_options(retries=retries, retry_delay_seconds=config.orchestration.retry_delay_seconds)

@@ -244,7 +244,7 @@ def worker(job_path: str | None) -> None:
     except BaseException as err:
         reason = " ".join(f"{type(err).__name__}: {err}".split())[:400]
         # a rank that lost its peers (one died) fails too: that is not the cause
-        kind = "secondary" if secondary(err) else "error"
+        kind = "secondary" if lost_a_peer(err) else "error"
         (folder / "errors").mkdir(parents=True, exist_ok=True)
         (folder / "errors" / f"rank-{state.process_index}.{kind}.txt").write_text(
             f"rank {state.process_index} of {state.num_processes} failed: {redact_text(reason)}\n")
@@ -253,7 +253,7 @@ def worker(job_path: str | None) -> None:
         write_json(folder / "result.json", result)
 
 
-def secondary(err: BaseException) -> bool:
+def lost_a_peer(err: BaseException) -> bool:
     """Whether `err` is a collective that failed because another rank went away."""
     import torch.distributed as dist
 

@@ -286,7 +286,7 @@ class Host:
         if pid == 0:
             self.close_inherited()
             conn.setblocking(True)
-            return run_stage(request, fds, conn)
+            return run_forked_command(request, fds, conn)
         for fd in fds:
             os.close(fd)
         if problem:
@@ -351,7 +351,7 @@ class Host:
             conn.close()
 
 
-def run_stage(request: dict, fds: list[int], conn: socket.socket) -> int:
+def run_forked_command(request: dict, fds: list[int], conn: socket.socket) -> int:
     """In the fork: become the client's process (stdio, folder, environment, arguments),
     watch the client, and run the command with the workspace's posttrain."""
     import threading
