@@ -138,33 +138,45 @@ def check_incoming(workdir: str, config_path: str) -> None:
 
 def quick_nothing_to_do(workdir: str) -> str | None:
     """"Nothing to do" when the workspace is exactly a finished retrain run's (no new data,
-    DVC finds every stage up to date, a finished run recorded this dvc.lock and params file),
-    decided from the params file, DVC and the MLflow store alone: before the full check
-    (which imports TRL) and before Prefect's temporary server starts, the seconds a no-op
-    run would spend. That params file passed the full check when the run it matches ran.
-    None, and the full path decides, when anything differs or cannot be read here, or the
-    tracking store is a server that does not answer at once (MLflow's client would retry
-    for minutes)."""
+    DVC finds every stage up to date, a finished run recorded this dvc.lock and params file):
+    before the full check (which imports TRL) and before Prefect's temporary server starts,
+    the seconds a no-op run would spend. That params file passed the full check when the
+    run it matches ran. The workspace's record of its last finished run answers without
+    MLflow (posttrain.tracking.mlflow_runs.recorded_finish); without one, the MLflow store
+    does (and what a killed run left RUNNING is marked). None, and the full path decides,
+    when anything differs or cannot be read here, or the tracking store is a server that
+    does not answer at once (MLflow's client would retry for minutes)."""
     from posttrain import ingest
     from posttrain.config import PipelineConfig, read_config_dict
-    from posttrain.probe import http_problem
-    from posttrain.tracking.mlflow_runs import finished_run, nothing_to_do, tracking_uri
+    from posttrain.tracking.mlflow_runs import nothing_to_do, recorded_finish, tracking_uri
 
     try:
         if not Path(workdir, "dvc.yaml").is_file() or ingest.pending(workdir):
             return None
         config = PipelineConfig.model_validate(read_config_dict(Path(workdir, PARAMS_FILE)))
         uri = tracking_uri(config, workdir)
-        if uri.startswith(("http://", "https://")) and http_problem(uri.rstrip("/") + "/health", 2.0):
-            return None
-        found = finished_run(workdir, config, uri)
-        if found:  # under the lock, as the flow does: what a killed run left RUNNING is dead
-            from posttrain.runtime import dead_runs
-
-            dead_runs.mark_dead_runs(uri, os.path.abspath(workdir), f"process {os.getpid()} (posttrain run: nothing to do)")
+        found = recorded_finish(workdir, uri) or finished_in_store(workdir, config, uri)
     except Exception:  # noqa: BLE001 - any doubt: the full path checks and reports it
         return None
     return nothing_to_do(*found, uri) if found else None
+
+
+def finished_in_store(workdir: str, config, uri: str) -> tuple[str, str] | None:
+    """The finished run the tracking store holds for this state (a workspace without a
+    record of it): marks what a killed run left RUNNING (under the lock, as the flow
+    does), and records it for the next run."""
+    from posttrain.probe import http_problem
+    from posttrain.tracking.mlflow_runs import finished_run, record_finished
+
+    if uri.startswith(("http://", "https://")) and http_problem(uri.rstrip("/") + "/health", 2.0):
+        return None
+    found = finished_run(workdir, config, uri)
+    if found:
+        from posttrain.runtime import dead_runs
+
+        dead_runs.mark_dead_runs(uri, os.path.abspath(workdir), f"process {os.getpid()} (posttrain run: nothing to do)")
+        record_finished(workdir, *found, uri)
+    return found
 
 
 def servers_and_config(command: str, config_path: str, *, temporary_prefect: bool):

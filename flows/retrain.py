@@ -20,7 +20,7 @@ from posttrain.tracking import summary
 from posttrain.config import load_config
 from posttrain.layout import PARAMS_FILE
 from posttrain.plugins import workspace
-from posttrain.tracking.mlflow_runs import nothing_to_do, tracking_uri
+from posttrain.tracking.mlflow_runs import forget_finished, nothing_to_do, record_finished, tracking_uri
 from tasks.data import previous_result, version_data
 from tasks.dvc_stages import own_model_prefix, pipeline_stage, push_data, stage_host, stage_order
 from tasks.dead_runs import mark_dead_runs
@@ -55,6 +55,7 @@ def retrain(workdir: str = ".", checked: bool = False) -> dict:
         previous = None if added else previous_result(workdir, config, uri)
         if previous:
             run_id, experiment = previous
+            record_finished(workdir, run_id, experiment, uri)  # the next no-op run needs no MLflow
             text = nothing_to_do(run_id, experiment, uri)
             results = {"nothing_to_do": True, "previous_run": run_id}
         else:
@@ -66,6 +67,7 @@ def retrain(workdir: str = ".", checked: bool = False) -> dict:
 def run_pipeline(config, workdir: str, uri: str) -> tuple[dict, str]:
     """The DVC stages under a parent run, then their record, the data push and promotion;
     the parent run ends FAILED when any of it fails."""
+    forget_finished(workdir)  # until this run finishes, the workspace's state is no finished run's
     run_id, experiment = open_parent_run(config, workdir, uri)
     try:
         plan_memory(config, workdir, run_id, uri)
@@ -87,6 +89,7 @@ def run_pipeline(config, workdir: str, uri: str) -> tuple[dict, str]:
         close_run(run_id, uri, "FAILED")
         raise
     close_run(run_id, uri, "FINISHED")
+    record_finished(workdir, run_id, experiment, uri)
     return results, text
 
 

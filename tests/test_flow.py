@@ -1,6 +1,7 @@
 """The retrain flow on real Prefect (ephemeral API), real MLflow and a real DVC repo
 (the `flow_runs` fixture, in conftest.py, runs it three times)."""
 
+import json
 import re
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import mlflow
 import pytest
 
 from conftest import SECRETS, copy_workspace, sh
+from posttrain.tracking.mlflow_runs import FINISHED_RECORD
 
 pytestmark = pytest.mark.slow
 
@@ -139,8 +141,11 @@ def test_unchanged_inputs_mean_nothing_to_do(flow_runs):
     # decided before the full check and Prefect's temporary server: the work it does is bounded
     # by what it imports (python -X importtime's lines on stderr), not by seconds
     imported = {line.rsplit("|", 1)[-1].strip() for line in third.stderr.splitlines() if line.startswith("import time:")}
-    assert "mlflow" in imported and not {"trl", "torch", "transformers", "prefect.server.api.server"} & imported
+    # the workspace's record of its last finished run answers: not even MLflow is imported
+    assert not {"mlflow", "trl", "torch", "transformers", "prefect.server.api.server"} & imported
     assert len(runs[runs["tags.mlflow.parentRunId"].isna()]) == 2      # no run recorded for it
+    record = json.loads((flow_runs[0] / FINISHED_RECORD).read_text())
+    assert record["run_id"] == runs[runs["tags.mlflow.parentRunId"].isna()].iloc[-1]["run_id"]
 
 
 def test_replay_reproduces_the_first_run_exactly(flow_runs, tmp_path):

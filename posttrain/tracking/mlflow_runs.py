@@ -288,6 +288,48 @@ def finished_run(workdir: str | Path, config, uri: str) -> tuple[str, str] | Non
     return (found[0].info.run_id, experiment.experiment_id) if found else None
 
 
+# Beside the run lock (flows/lock.py), in DVC's scratch folder (never committed): the
+# finished retrain run the workspace's state last matched, so that a run with nothing to
+# do says so without importing MLflow (seconds). Removed when a run opens its parent run
+# (a run killed after that leaves none: the next run takes the full path, which marks
+# what it left RUNNING).
+FINISHED_RECORD = ".dvc/tmp/posttrain-finished.json"
+
+
+def record_finished(workdir: str | Path, run_id: str, experiment: str, uri: str) -> None:
+    """Note that the workspace's present state (dvc.lock, the params file) is finished run `run_id`'s."""
+    from posttrain.files import write_json
+
+    state = {"run_id": run_id, "experiment": experiment, "uri": uri, "config_md5": config_md5(workdir),
+             **dvc_lock_hashes(workdir)}
+    write_json(Path(workdir) / FINISHED_RECORD, state)
+
+
+def forget_finished(workdir: str | Path) -> None:
+    Path(workdir, FINISHED_RECORD).unlink(missing_ok=True)
+
+
+def recorded_finish(workdir: str | Path, uri: str) -> tuple[str, str] | None:
+    """(run id, experiment id) of the finished run this state matches, from the record
+    `record_finished` left, without MLflow: its store, dvc.lock and params file are this
+    workspace's now, and DVC finds every stage up to date. None on any difference."""
+    import json
+
+    path = Path(workdir) / FINISHED_RECORD
+    if not path.is_file():
+        return None
+    state = json.loads(path.read_text())
+    now = {"uri": uri, "config_md5": config_md5(workdir), **dvc_lock_hashes(workdir)}
+    if any(state.get(key) != value for key, value in now.items()) or "dvc.lock_md5" not in now:
+        return None
+    from dvc.repo import Repo
+
+    with Repo(str(workdir)) as repo:
+        if repo.status():
+            return None
+    return state["run_id"], state["experiment"]
+
+
 def nothing_to_do(run_id: str, experiment: str, uri: str) -> str:
     """What a run says when its inputs are exactly a finished run's."""
     return (f"Nothing to do: data and config are unchanged since retrain run {run_id}, which finished; "
