@@ -143,12 +143,16 @@ def pin_model_path(config: dict) -> dict:
 
 
 def workspace_params(config: dict) -> dict:
-    """The config as a workspace's params file: relative paths (`model.path`, each
-    `launcher.accelerate_config`) made absolute from the current folder, where `posttrain
-    check` found them, and a `launcher` section always there (dvc.yaml's training stages
-    track it; DVC refuses a params key that is missing)."""
+    """The config as a workspace's params file: whole, every field with its value (a
+    default written out: dvc.yaml's stages track keys such as `stats.bootstrap_resamples`
+    that a variant may leave out, and DVC refuses a params key that is missing), and
+    relative paths (`model.path`, each `launcher.accelerate_config`) made absolute from
+    the current folder, where `posttrain check` found them."""
+    from posttrain.config import PipelineConfig
+
+    config = PipelineConfig.model_validate(config).model_dump(mode="json", by_alias=True)
     config = pin_model_path(config)
-    config = {**config, "launcher": _pin_launcher(config.get("launcher") or {"type": "in_process"})}
+    config = {**config, "launcher": _pin_launcher(config["launcher"])}
     if isinstance(config.get("sft"), dict) and config["sft"].get("launcher"):
         config["sft"] = {**config["sft"], "launcher": _pin_launcher(config["sft"]["launcher"])}
     if isinstance(config.get("grpo"), dict):
