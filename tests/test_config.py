@@ -122,3 +122,41 @@ def test_gpu_profiles_beside_the_config_come_first(tmp_path):
     (tmp_path / "gpus.yaml").unlink()  # the package's profiles know no MyGPU
     with pytest.raises(UserError, match="serving.gpu: unknown GPU profile 'MyGPU'"):
         load_checked(path)
+
+
+COUNTING_ENV = '''
+from posttrain.envs.arithmetic import ArithmeticEnv
+
+BUILT = []
+
+
+def make_env(**options):
+    BUILT.append(options)
+    return ArithmeticEnv(**options)
+'''
+
+
+@pytest.mark.parametrize("stage,builds", [("prepare", True), ("sft", True), ("grpo", True),
+                                          ("serving", False), ("evaluate", False)])
+def test_a_stage_process_checks_what_its_own_work_touches(tmp_path, stage, builds):
+    """Preflight per stage (posttrain.preflight.for_stage): the stages that build the
+    environment check it; serving and evaluate neither build it nor generate its data.
+    The environment is named by import path from the workspace named explicitly (the
+    loader does not look in the current folder)."""
+    import importlib
+    import sys
+
+    from posttrain.plugins import workspace
+
+    (tmp_path / "custom").mkdir()
+    (tmp_path / "custom" / "counting.py").write_text(COUNTING_ENV)
+    path = write(tmp_path, "data: {env: 'custom.counting:make_env', options: {}}\n")
+    config = load_config(path)
+    sys.modules.pop("custom.counting", None), sys.modules.pop("custom", None)
+    with workspace(tmp_path):
+        preflight.for_stage(stage, path, config)
+    module = sys.modules.get("custom.counting")
+    assert bool(module and module.BUILT) == builds
+    if module:
+        sys.modules.pop("custom.counting"), sys.modules.pop("custom", None)
+        importlib.invalidate_caches()
