@@ -271,65 +271,87 @@ def cheapest_fix(config, stage: str, field: str, model: dict, setup: Setup, limi
     memory (same result, more communication); a LoRA adapter, then with the base loaded in
     bf16 (trains fewer weights: a different result); then their combinations. (text, its
     total bytes), or what does not suffice and (text, None)."""
-    trl = f"{field}.trl"
-    launcher = config.stage_launcher(stage)
-    gpus = max(config.training.num_gpus or setup.gpus, setup.gpus)
     total = lambda s: plan(model, s).total_bytes  # noqa: E731
-    bases = [(setup, [])]  # each lever on top of the cheaper ones before it
+    levers = fix_levers(config, stage, field, setup)
+    for base, changes in levers:
+        for candidate, made in with_cheap_savings(config, stage, f"{field}.trl", base, changes, path):
+            if total(candidate) <= limit:
+                return "set " + " and ".join(made), total(candidate)
+    floor = dataclasses.replace(levers[-1][0], gradient_checkpointing=True, batch=1)
+    more = "more of them (training.num_gpus, ZeRO-3)" if not setup.lora_rank else "more of them without LoRA (ZeRO-3)"
+    return (f"nothing posttrain can change fits it (with every saving above and a micro-batch of 1 it is still "
+            f"{total(floor) / GIB:,.1f} GiB): use GPUs with more memory, or {more}"), None
+
+
+def fix_levers(config, stage: str, field: str, setup: Setup) -> list[tuple[Setup, list[str]]]:
+    """The stage's setup with each lever pulled on top of the cheaper ones before it (and
+    the config changes that pull them): no gathering for generation, ZeRO-3 over the GPUs,
+    the optimizer in CPU memory, LoRA, the frozen base in bf16."""
+    trl = f"{field}.trl"
+    levers = [(setup, [])]
     if setup.zero == 3 and setup.engine == "deepspeed" and setup.gather_for_generation and setup.method != "sft" \
             and not setup.vllm_share and not setup.vllm_server:
-        bases.append((dataclasses.replace(setup, gather_for_generation=False),
+        levers.append((dataclasses.replace(setup, gather_for_generation=False),
                       [f"{trl}.ds3_gather_for_generation: false (generation gathers one layer at a time: slower)"]))
-    unsharded = bases[-1]
+    unsharded = levers[-1]
+    gpus = max(config.training.num_gpus or setup.gpus, setup.gpus)
     if setup.lora_rank == 0 and gpus * setup.nodes > 1 and (setup.zero < 3 or gpus > setup.gpus):
-        nodes = f", nodes: {launcher.nodes}" if launcher.nodes > 1 else ""
-        zero3 = f"{field}.launcher: {{type: accelerate, processes: {gpus}{nodes}, accelerate_config: " \
-                "infra/accelerate/zero3.yaml}"
-        world, was = gpus * setup.nodes, setup.gpus * setup.nodes
-        batch, steps = setup.batch, setup.accumulation
-        if (steps * was) % world == 0:  # the same global batch: fewer accumulation steps, or a smaller micro-batch
-            steps = steps * was // world
-        elif (batch * steps * was) % world == 0:
-            batch, steps = batch * steps * was // world, 1
-        if batch * steps * world != setup.batch * setup.accumulation * was:
-            zero3 += f" (a global batch {world / was:g}x larger: lower gradient_accumulation_steps to keep it)"
-        elif (batch, steps) != (setup.batch, setup.accumulation):
-            zero3 += f" with {trl}.per_device_train_batch_size: {batch} and gradient_accumulation_steps: {steps}"
-        base, changes = bases[-1]
-        bases.append((dataclasses.replace(base, zero=3, gpus=gpus, engine="deepspeed", batch=batch,
-                                          accumulation=steps), changes + [zero3]))
-    if bases[-1][0].zero == 3 and bases[-1][0].engine == "deepspeed" and not bases[-1][0].offload_optimizer:
-        base, changes = bases[-1]
-        bases.append((dataclasses.replace(base, offload_optimizer=True),
-                      changes + [f"offload_optimizer_device: cpu in {field}'s DeepSpeed config"]))
+        levers.append(zero3_lever(levers[-1], field, config.stage_launcher(stage), gpus, setup))
+    if levers[-1][0].zero == 3 and levers[-1][0].engine == "deepspeed" and not levers[-1][0].offload_optimizer:
+        base, changes = levers[-1]
+        levers.append((dataclasses.replace(base, offload_optimizer=True),
+                       changes + [f"offload_optimizer_device: cpu in {field}'s DeepSpeed config"]))
     if setup.zero < 3:  # LoRA is refused with sharded weights
         base, changes = unsharded
         lora = base if base.lora_rank else dataclasses.replace(base, lora_rank=FIX_LORA_RANK, lora_modules=LINEARS)
         if not base.lora_rank:
             changes = changes + [f"{field}.peft: {{r: {FIX_LORA_RANK}, target_modules: all-linear}}"]
-            bases.append((lora, changes))
+            levers.append((lora, changes))
         if lora.load_bytes == 4 and lora.engine != "deepspeed":
-            bases.append((dataclasses.replace(lora, load_bytes=2),
-                          changes + [f"{trl}.model_init_kwargs: {{dtype: bfloat16}} (the frozen base in bf16)"]))
-    for base, changes in bases:
-        candidates = [(base, changes)] if changes else []
-        if not base.gradient_checkpointing:
-            base, changes = dataclasses.replace(base, gradient_checkpointing=True), \
-                changes + [f"{trl}.gradient_checkpointing: true"]
-            candidates.append((base, changes))
-        for b in sorted((d for d in range(1, base.batch) if base.batch % d == 0), reverse=True):
-            steps = base.accumulation * base.batch // b  # the same global batch
-            smaller = f"{trl}.per_device_train_batch_size: {b} with gradient_accumulation_steps: {steps}"
-            if accepted(config, stage, b, steps, path):
-                candidates.append((dataclasses.replace(base, batch=b, accumulation=steps),
-                                   changes + [f"{smaller} (the same global batch)"]))
-        for candidate, made in candidates:
-            if total(candidate) <= limit:
-                return "set " + " and ".join(made), total(candidate)
-    floor = dataclasses.replace(bases[-1][0], gradient_checkpointing=True, batch=1)
-    more = "more of them (training.num_gpus, ZeRO-3)" if not setup.lora_rank else "more of them without LoRA (ZeRO-3)"
-    return (f"nothing posttrain can change fits it (with every saving above and a micro-batch of 1 it is still "
-            f"{total(floor) / GIB:,.1f} GiB): use GPUs with more memory, or {more}"), None
+            levers.append((dataclasses.replace(lora, load_bytes=2),
+                           changes + [f"{trl}.model_init_kwargs: {{dtype: bfloat16}} (the frozen base in bf16)"]))
+    return levers
+
+
+def zero3_lever(lever: tuple[Setup, list[str]], field: str, launcher, gpus: int,
+                setup: Setup) -> tuple[Setup, list[str]]:
+    """`lever` sharded with ZeRO-3 over `gpus` GPUs per node, the global batch kept where
+    the micro-batch and accumulation steps allow it."""
+    trl = f"{field}.trl"
+    nodes = f", nodes: {launcher.nodes}" if launcher.nodes > 1 else ""
+    zero3 = f"{field}.launcher: {{type: accelerate, processes: {gpus}{nodes}, accelerate_config: " \
+            "infra/accelerate/zero3.yaml}"
+    world, was = gpus * setup.nodes, setup.gpus * setup.nodes
+    batch, steps = setup.batch, setup.accumulation
+    if (steps * was) % world == 0:  # the same global batch: fewer accumulation steps, or a smaller micro-batch
+        steps = steps * was // world
+    elif (batch * steps * was) % world == 0:
+        batch, steps = batch * steps * was // world, 1
+    if batch * steps * world != setup.batch * setup.accumulation * was:
+        zero3 += f" (a global batch {world / was:g}x larger: lower gradient_accumulation_steps to keep it)"
+    elif (batch, steps) != (setup.batch, setup.accumulation):
+        zero3 += f" with {trl}.per_device_train_batch_size: {batch} and gradient_accumulation_steps: {steps}"
+    base, changes = lever
+    return dataclasses.replace(base, zero=3, gpus=gpus, engine="deepspeed", batch=batch,
+                               accumulation=steps), changes + [zero3]
+
+
+def with_cheap_savings(config, stage: str, trl: str, base: Setup, changes: list[str],
+                       path: Path) -> list[tuple[Setup, list[str]]]:
+    """`base` (when it changes anything), then with gradient checkpointing, then with each
+    smaller micro-batch TRL accepts (more accumulation: the same global batch)."""
+    candidates = [(base, changes)] if changes else []
+    if not base.gradient_checkpointing:
+        base, changes = dataclasses.replace(base, gradient_checkpointing=True), \
+            changes + [f"{trl}.gradient_checkpointing: true"]
+        candidates.append((base, changes))
+    for b in sorted((d for d in range(1, base.batch) if base.batch % d == 0), reverse=True):
+        steps = base.accumulation * base.batch // b  # the same global batch
+        smaller = f"{trl}.per_device_train_batch_size: {b} with gradient_accumulation_steps: {steps}"
+        if accepted(config, stage, b, steps, path):
+            candidates.append((dataclasses.replace(base, batch=b, accumulation=steps),
+                               changes + [f"{smaller} (the same global batch)"]))
+    return candidates
 
 
 def accepted(config, stage: str, batch: int, steps: int, path: Path) -> bool:
