@@ -282,7 +282,7 @@ def test_a_changed_module_reruns_the_stages_that_run_it(flow_runs, tmp_path):
         assert not unseen, f"dvc status misses changes to {unseen} in stage {name}"
 
     # the evaluator changed: DVC finds sft, grpo and evaluate stale, not prepare or serving
-    evaluation = ws / PACKAGE / "evaluation.py"
+    evaluation = ws / PACKAGE / "scoring" / "evaluation.py"
     original = evaluation.read_text()
     evaluation.write_text(original + "# a changed evaluator\n")
     assert set(dvc_changed(ws)) == {"sft", "grpo@dense", "evaluate"}
@@ -290,7 +290,7 @@ def test_a_changed_module_reruns_the_stages_that_run_it(flow_runs, tmp_path):
     assert dvc_changed(ws) == {}
 
     # the KV arithmetic changed: DVC finds serving stale, and the flow reruns it alone
-    kv = ws / PACKAGE / "kv.py"
+    kv = ws / PACKAGE / "capacity" / "kv.py"
     kv.write_text(kv.read_text() + "# a changed KV estimator\n")
     assert set(dvc_changed(ws)) == {"serving"}
     sh("posttrain", "run", "--workdir", ws, cwd=ws)
