@@ -464,13 +464,13 @@ def known_metric(config: PipelineConfig, metric: str) -> bool:
     """Whether the pipeline records `metric` on its parent run: an evaluate figure of a
     model it evaluates (base, sft, each GRPO stage, `grpo` = the final one), or a metric
     of a stage it runs (names not checked past the stage: they vary with options)."""
-    models = ["base", "sft", "grpo", *(f"grpo.{name}" for name in config.grpo)]
+    models = ["base", "sft", "grpo", *(StageId.grpo(name).field for name in config.grpo)]
     figures = ["greedy_accuracy", "n_prompts", "greedy_accuracy_ci95.low", "greedy_accuracy_ci95.high"]
     figures += [f"{name}.{k}{end}" for k in config.evaluate.k
                 for name, end in [("pass_at_k", ""), ("pass_at_k_ci95", ".low"), ("pass_at_k_ci95", ".high")]]
     if metric in {f"evaluate.{model}.{figure}" for model in models for figure in figures}:
         return True
-    stages = ["prepare", "sft", "serving", *(f"grpo.{name}" for name in config.grpo)]
+    stages = ["prepare", "sft", "serving", *(StageId.grpo(name).field for name in config.grpo)]
     return any(re.fullmatch(rf"{re.escape(stage)}\.[a-z0-9_.]+", metric) for stage in stages)
 
 

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from posttrain.config import PipelineConfig
 from posttrain.errors import OptionError, UserError
 from posttrain.plugins import resolve
+from posttrain.stageid import StageId
 from posttrain.yamlfile import read_text, schema_error, show
 
 
@@ -254,7 +255,7 @@ def _check_lengths(path: Path, config: PipelineConfig, longest_prompt: int, posi
     positions have no hard end, so past it generation runs on, for hours). A prompt is
     counted in characters: the tiny tokenizer's tokens, at most a real tokenizer's."""
     lengths = [("evaluate.max_new_tokens", config.evaluate.max_new_tokens)]
-    lengths += [(f"grpo.{name}.trl.max_completion_length", stage.trl.get("max_completion_length"))
+    lengths += [(f"{StageId.grpo(name).field}.trl.max_completion_length", stage.trl.get("max_completion_length"))
                 for name, stage in config.grpo.items()]
     if longest_prompt >= positions:
         raise UserError(f"{path}: data", f"prompts of up to {longest_prompt} characters leave no room in the model's "

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from posttrain.config import SEED_MAX, GRPOStage, PipelineConfig
 from posttrain.errors import UserError
+from posttrain.stageid import StageId, training_stages
 from posttrain.yamlfile import SHOWN_CHARS, schema_error
 
 # TRL options posttrain sets itself from dvc.yaml paths and tracking; users set them elsewhere.
@@ -30,15 +31,15 @@ def check_trl_blocks(path: Path, config: PipelineConfig) -> None:
     the LoRA configs from the `peft:` blocks."""
     from trl import GRPOConfig, SFTConfig
 
-    blocks = [("sft.trl", SFTConfig, config.sft.trl)]
-    blocks += [(f"grpo.{name}.trl", world_sized(GRPOConfig, config.stage_launcher(f"grpo@{name}")), grpo_trl_options(s))
-               for name, s in config.grpo.items()]
+    blocks = [("sft", SFTConfig, config.sft.trl)]
+    blocks += [(stage.field, world_sized(GRPOConfig, config.stage_launcher(stage)), grpo_trl_options(config.grpo[stage.name]))
+               for stage in map(StageId.grpo, config.grpo)]
     for field, cls, options in blocks:
-        build_trl_config(f"{path}: {field}", cls, options, output_dir="/nonexistent/posttrain-check")
-    peft = [("sft.peft", config.sft.peft)] + [(f"grpo.{name}.peft", s.peft) for name, s in config.grpo.items()]
-    for field, options in peft:
+        build_trl_config(f"{path}: {field}.trl", cls, options, output_dir="/nonexistent/posttrain-check")
+    for stage in training_stages(config):
+        options = config.stage_section(stage).peft
         if options is not None:
-            build_lora_config(f"{path}: {field}", options)
+            build_lora_config(f"{path}: {stage.field}.peft", options)
 
 
 def world_sized(cls, launcher):
