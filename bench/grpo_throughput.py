@@ -1,22 +1,40 @@
 """GRPO throughput: posttrain's GRPO stage against bare TRL, same model, prompts, rewards
 and GRPOConfig, in alternating rounds of one run.
 
-Builds a workspace of the default config (`--steps` GRPO steps, the gate on 64 held-out
-prompts so the stage's evaluation stays short), runs its SFT warmup once (`dvc repro
-sft`), takes the prompts the stage's pass-rate filter keeps and the `GRPOConfig` options
-posttrain builds for the stage, then per round runs, in turn (the order alternates):
+Builds a workspace of the default config (`--warmup` + `--steps` GRPO steps, the gate on
+64 held-out prompts so the stage's evaluation stays short), runs its SFT warmup once
+(`dvc repro sft`), takes the prompts the stage's pass-rate filter keeps and the
+`GRPOConfig` options posttrain builds for the stage, then per round runs, in turn (the
+order alternates):
 
 - bare:      bench/bare_grpo.py, TRL's GRPOTrainer with plain reward functions, no MLflow;
 - posttrain: `python -m posttrain stage grpo` in the workspace, as `dvc repro` runs it
              (MLflow run and per-step logging, guardrails, reward wrappers, gate).
 
-Seconds per step is `trainer.train()`'s wall time over its steps on both sides (what
-happens before and after training is `make bench`'s subject). Prints each round, the
-min and median s/step of each side, and last `ratio=<posttrain steps/s over bare steps/s>`
-from the minima: on a shared machine other tenants only ever add time, so the fastest
-round of each side is the one closest to its own cost.
+Only steady-state steps are timed, by the same step clock on both sides (bare_grpo.py's
+`install_clock`): from the end of step W to the end of step W+N, over N. The first W
+steps run untimed on both sides: they pay one-time costs (the optimizer's state, the
+allocator's growth, MLflow's start on the posttrain side) that a short run spreads over
+few steps. Both sides run the same model, prompts, seed and options, so the same tokens
+a step; each round prints the tokens each trained on by its last logged step, which
+says so. What happens before and after training is `make bench`'s subject.
 
-    .venv/bin/python bench/grpo_throughput.py [--steps 100] [--rounds 3] [--root DIR]
+On a machine shared with other work, use `--threads 1`. With torch's default of a
+thread a core, a step's two threads wait on each other at every op, and while another
+tenant holds a core a step takes 2-8 s instead of 0.3 (measured on 2 cores), in bursts
+that land on one side's short timed window and not the other's: rounds of 30 steps read
+0.47 to 7.5 so, at a load average of 3. That, not warm-up (the first step costs some
+0.15 s more, once), is what made `trainer.train()`'s wall time over 30 steps read 1.6.
+With one thread the same rounds read 0.88 to 1.05.
+
+Prints each round (its ratio, each side's steady wall and CPU s/step and its warm-up's
+wall s/step), each side's median s/step with its range, the ratio of CPU seconds a step
+(with one thread, other tenants take wall time from a step but hardly CPU time), and last
+`ratio=<posttrain steps/s over bare steps/s>`: the median of the rounds' wall-time
+ratios (a round's pair runs back to back, so a load that comes and goes weighs on
+both), with their range as the spread.
+
+    .venv/bin/python bench/grpo_throughput.py [--steps 100] [--warmup 10] [--rounds 3] [--threads N] [--root DIR]
 """
 
 from __future__ import annotations
@@ -39,6 +57,12 @@ from posttrain.config import read_config_dict  # noqa: E402
 from posttrain.files import read_json  # noqa: E402
 
 GATE_PROMPTS = 64
+BENCH = Path(__file__).resolve().parent
+# The posttrain side: `python -m posttrain ARGS` with the step clock installed first. As
+# `-c` code run in the workspace, it imports the workspace's own posttrain/, as dvc would.
+CLOCKED = ("import runpy, sys; sys.path.insert(1, sys.argv[1]); from bare_grpo import install_clock; "
+           "install_clock(sys.argv[2]); sys.argv = ['posttrain', *sys.argv[3:]]; "
+           "runpy.run_module('posttrain', run_name='__main__', alter_sys=True)")
 
 
 def setup(root: Path, steps: int) -> tuple[Path, str]:
@@ -95,52 +119,92 @@ def run(command: list[str], cwd: Path, log: Path) -> float:
     return time.perf_counter() - start
 
 
-def bare(root: Path, ws: Path, name: str, inputs: tuple[Path, Path], i: int) -> dict:
-    out = root / f"bare-{i}"
+def steady(clock: Path, warmup: int, steps: int, wall: float) -> dict:
+    """A run's figures from its step clock: steady-state wall and CPU s/step (steps
+    warmup+1 .. warmup+steps), the untimed warm-up's wall s/step, and the tokens trained
+    on by the last logged step (the same on both sides when each step did the same work)."""
+    times = read_json(clock)
+    ends = times["step_ends"]
+    if len(ends) != warmup + steps:
+        raise SystemExit(f"{clock}: {len(ends)} steps ran, not {warmup} + {steps}; see its log")
+    (wall0, cpu0), (wall1, cpu1) = ends[warmup - 1], ends[-1]
+    tokens = times["num_tokens"]
+    return {"s_per_step": (wall1 - wall0) / steps, "cpu_s_per_step": (cpu1 - cpu0) / steps,
+            "warmup_s_per_step": (wall0 - times["begin"][0]) / warmup,
+            "tokens": tokens[max(tokens, key=int)] if tokens else None, "wall": wall}
+
+
+def bare(root: Path, ws: Path, name: str, inputs: tuple[Path, Path], i: int, counts: tuple[int, int]) -> dict:
+    out, clock = root / f"bare-{i}", root / f"bare-{i}.clock.json"
     model = ws / "artifacts" / "models" / read_config_dict(ws / "configs" / "pipeline.yaml")["grpo"][name]["from"]
-    wall = run([sys.executable, str(REPO / "bench" / "bare_grpo.py"), "--model", str(model), "--rows", str(inputs[0]),
-                "--options", str(inputs[1]), "--output-dir", str(out)], root, root / f"bare-{i}.log")
-    result = json.loads((root / f"bare-{i}.log").read_text().strip().splitlines()[-1])
-    return {"s_per_step": result["train_seconds"] / result["steps"], "wall": wall}
+    wall = run([sys.executable, str(BENCH / "bare_grpo.py"), "--model", str(model), "--rows", str(inputs[0]),
+                "--options", str(inputs[1]), "--output-dir", str(out), "--clock", str(clock)],
+               root, root / f"bare-{i}.log")
+    return steady(clock, *counts, wall)
 
 
-def posttrain(root: Path, ws: Path, name: str, i: int) -> dict:
-    out = root / f"posttrain-{i}"
+def posttrain(root: Path, ws: Path, name: str, i: int, counts: tuple[int, int]) -> dict:
+    out, clock = root / f"posttrain-{i}", root / f"posttrain-{i}.clock.json"
     model_from = read_config_dict(ws / "configs" / "pipeline.yaml")["grpo"][name]["from"]
-    wall = run([sys.executable, "-m", "posttrain", "stage", "grpo", "--config", "configs/pipeline.yaml", "--name", name,
-                "--data-dir", "data", "--init-dir", f"artifacts/models/{model_from}", "--out-dir", str(out / "model"),
+    wall = run([sys.executable, "-c", CLOCKED, str(BENCH), str(clock), "stage", "grpo",
+                "--config", "configs/pipeline.yaml", "--name", name, "--data-dir", "data",
+                "--init-dir", f"artifacts/models/{model_from}", "--out-dir", str(out / "model"),
                 "--checkpoint-dir", str(out / "checkpoints"), "--metrics-path", str(out / "metrics.json"),
-                "--curve-path", str(out / "curve.json")], ws, root / f"posttrain-{i}.log")
-    metrics = read_json(out / "metrics.json")
-    return {"s_per_step": metrics["train_seconds"] / metrics["steps"], "wall": wall}
+                "--curve-path", str(out / "curve.json")],
+               ws, root / f"posttrain-{i}.log")
+    return steady(clock, *counts, wall)
+
+
+def spread(values: list[float]) -> str:
+    """`median [min, max]` of a figure over the rounds."""
+    return f"{statistics.median(values):.4f} [{min(values):.4f}, {max(values):.4f}]"
+
+
+def report_round(i: int, order: list[str], b: dict, p: dict) -> None:
+    print(f"round {i + 1} ({' then '.join(order)}, load average {os.getloadavg()[0]:.2f}): "
+          f"ratio {b['s_per_step'] / p['s_per_step']:.3f} "
+          f"(CPU {b['cpu_s_per_step'] / p['cpu_s_per_step']:.3f}); "
+          + "; ".join(f"{side} {r['s_per_step']:.4f} s/step (CPU {r['cpu_s_per_step']:.4f}, warm-up "
+                      f"{r['warmup_s_per_step']:.4f} s/step, process {r['wall']:.1f} s, tokens {r['tokens']})"
+                      for side, r in (("bare", b), ("posttrain", p))), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=100, help="GRPO steps per run (default 100)")
+    parser.add_argument("--steps", type=int, default=100, help="GRPO steps timed per run (default 100)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed GRPO steps before them (default 10)")
     parser.add_argument("--rounds", type=int, default=3, help="pairs of runs, order alternating (default 3)")
+    parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS of both sides' runs (default: torch's own, a "
+                        "thread a core); 1 on a shared machine, where two threads that wait on each other at every "
+                        "op while other tenants hold a core make a step 10-30 times slower, in bursts")
     parser.add_argument("--root", help="where the workspace and logs go (default: a new temporary folder)")
     args = parser.parse_args()
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be at least 1")
+    counts = (args.warmup, args.steps)
     root = bench_root(args.root, "grpo-throughput-")
-    print(f"grpo_throughput: {args.steps} steps x {args.rounds} rounds in {root} (cpus: {os.cpu_count()})", flush=True)
-    ws, name = setup(root, args.steps)
+    print(f"grpo_throughput: {args.warmup} warm-up + {args.steps} timed steps x {args.rounds} rounds in {root} "
+          f"(cpus: {os.cpu_count()}, threads: {args.threads or 'torch default'}, "
+          f"load average {os.getloadavg()[0]:.2f})", flush=True)
+    ws, name = setup(root, sum(counts))
     inputs = bare_inputs(root, ws, name)
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the runs' environment (workspace.stage_env), not setup's
     sides = {"bare": [], "posttrain": []}
     for i in range(args.rounds):
         order = ["bare", "posttrain"] if i % 2 == 0 else ["posttrain", "bare"]
         for side in order:
-            result = bare(root, ws, name, inputs, i) if side == "bare" else posttrain(root, ws, name, i)
+            result = bare(root, ws, name, inputs, i, counts) if side == "bare" else posttrain(root, ws, name, i, counts)
             sides[side].append(result)
-        b, p = sides["bare"][-1], sides["posttrain"][-1]
-        print(f"round {i + 1} ({' then '.join(order)}): bare {b['s_per_step']:.4f} s/step (process {b['wall']:.1f} s), "
-              f"posttrain {p['s_per_step']:.4f} s/step (process {p['wall']:.1f} s), "
-              f"ratio {b['s_per_step'] / p['s_per_step']:.3f}", flush=True)
+        report_round(i, order, sides["bare"][-1], sides["posttrain"][-1])
     for side, results in sides.items():
-        per_step = [r["s_per_step"] for r in results]
-        print(f"{side:<10} s/step min {min(per_step):.4f} median {statistics.median(per_step):.4f}")
-    bare_min = min(r["s_per_step"] for r in sides["bare"])
-    posttrain_min = min(r["s_per_step"] for r in sides["posttrain"])
-    print(f"ratio={bare_min / posttrain_min:.3f}")
+        print(f"{side:<10} s/step median [min, max] {spread([r['s_per_step'] for r in results])}, "
+              f"CPU {spread([r['cpu_s_per_step'] for r in results])}")
+    pairs = list(zip(sides["bare"], sides["posttrain"]))
+    cpu = [b["cpu_s_per_step"] / p["cpu_s_per_step"] for b, p in pairs]
+    print(f"load average {os.getloadavg()[0]:.2f}; CPU-time ratio over rounds median [min, max] {spread(cpu)}")
+    ratios = [b["s_per_step"] / p["s_per_step"] for b, p in pairs]
+    print(f"ratio={statistics.median(ratios):.3f} over rounds median [min, max] {spread(ratios)}")
 
 
 if __name__ == "__main__":
