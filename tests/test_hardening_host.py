@@ -19,6 +19,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from contextlib import ExitStack, closing, suppress
@@ -47,6 +48,9 @@ def hosted(tmp_path_factory):
         yield ws, name
 
 
+CONNECT_ATTEMPTS = 3000
+
+
 def assert_served(ws: Path, name: str) -> None:
     """A real stage command runs in the host (not declined, not in its own process)."""
     done = posttrain(BOGUS, ws, hosted_env(ws, **{stagehost.ENV_VAR: name}))
@@ -55,10 +59,19 @@ def assert_served(ws: Path, name: str) -> None:
 
 
 def client(name: str) -> socket.socket:
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.settimeout(HANG_GUARD)
-    conn.connect(stagehost.address(name))
-    return conn
+    """A connection as a stage command opens it: its connect waits while the host's listen
+    backlog is full (with a timeout set, Python's connect would fail at once with EAGAIN
+    instead; so it is retried, a bounded number of times)."""
+    for attempt in range(CONNECT_ATTEMPTS):
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(HANG_GUARD)
+        try:
+            conn.connect(stagehost.address(name))
+            return conn
+        except BlockingIOError:  # the backlog is full: the host has not accepted the others yet
+            conn.close()
+            time.sleep(0.01)
+    raise AssertionError(f"the host accepted no connection in {CONNECT_ATTEMPTS} attempts")
 
 
 def request_bytes(ws: Path, name: str) -> bytes:
