@@ -251,6 +251,8 @@ def worker(job_path: str | None) -> None:
         raise
     if state.is_main_process:
         write_json(folder / "result.json", result)
+    if dist.is_initialized():  # gloo's threads end before the interpreter: left to exit, a rank aborted (SIGABRT)
+        dist.destroy_process_group()
 
 
 def lost_a_peer(err: BaseException) -> bool:
