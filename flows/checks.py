@@ -25,7 +25,7 @@ def checked_in_host(path: str | Path, cwd: str | None = None) -> str | None:
     return answer["fits"]
 
 
-def full_check(workdir: str, path: str | Path) -> str:
+def check_workspace(workdir: str, path: str | Path) -> str:
     """`posttrain check` of workspace `workdir`'s config `path`: by the run's stage host
     when one answers (in the workspace's folder), else here."""
     from posttrain import cli

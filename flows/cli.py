@@ -131,9 +131,9 @@ def check_incoming(workdir: str, config_path: str) -> None:
         return
     config = load_config(config_path)
     with workspace(workdir):  # the config's paths and imports (custom/) are the workspace's
-        preflight.environment(Path(config_path), config)
+        env, splits = preflight.environment(Path(config_path), config)  # its data generated once
         with plugin_refusal(f"{config_path}: data.env", config.data.env):
-            ingest.check_pending(workdir, config)
+            ingest.validate(workdir, env, ingest.heldout_prompts(splits))
 
 
 def quick_nothing_to_do(workdir: str) -> str | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.checks import full_check
+from flows.checks import check_workspace
 from flows.lock import lock
 from posttrain import stageid
 from posttrain.tracking import summary
@@ -46,7 +46,7 @@ def retrain(workdir: str = ".", checked: bool = False) -> dict:
     with lock(workdir, log=logger.warning), stage_host(workdir), workspace(workdir):
         config = load_config(Path(workdir) / PARAMS_FILE)
         if not checked:
-            full_check(workdir, Path(workdir) / PARAMS_FILE)
+            check_workspace(workdir, Path(workdir) / PARAMS_FILE)
         uri = tracking_uri(config, workdir)
         mark_dead_runs(workdir, uri)
         added = version_data(workdir, config)

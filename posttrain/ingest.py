@@ -169,14 +169,12 @@ def env_and_heldout(config):
     from posttrain.envs import get_env
 
     env = get_env(config.data.env, **config.data.options)
-    return env, {row["prompt"] for row in env.generate(config.seed)["heldout"]}
+    return env, heldout_prompts(env.generate(config.seed))
 
 
-def check_pending(workdir: str | Path, config) -> int:
-    """Validate what waits in `incoming/` (UserError on a bad row); how many files wait."""
-    if not pending(workdir):
-        return 0
-    return len(validate(workdir, *env_and_heldout(config)))
+def heldout_prompts(splits: dict[str, list[dict]]) -> set[str]:
+    """The held-out prompts of an environment's splits (which new data must not hold)."""
+    return {row["prompt"] for row in splits["heldout"]}
 
 
 def version_incoming(workdir: str | Path, env, heldout: set[str], dvc: str = "dvc") -> list[str]:

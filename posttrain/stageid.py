@@ -1,7 +1,7 @@
 """One name for each pipeline stage. A stage is `prepare`, `sft`, `grpo@NAME` (one per
-entry of the config's `grpo` mapping), `serving` or `evaluate`; its DVC name, MLflow run
-name, config field, metrics file, log and model folder are all derived here, not
-assembled by string where they are used.
+entry of the config's `grpo` mapping), `serving` or `evaluate`; its DVC name (also its
+MLflow child run's), config field (also its metric prefix), log and model folder are
+derived here, not assembled by string where they are used.
 """
 
 from __future__ import annotations
