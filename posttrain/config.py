@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from posttrain.errors import UserError, invalid
 from posttrain.capacity.modelconfig import LARGEST_DIMENSION
-from posttrain.stageid import StageId
+from posttrain.stageid import StageId, training_stages
 from posttrain.yamlfile import read_yaml, schema_error, show
 
 STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -118,10 +118,28 @@ class LauncherSection(Section):
         return endpoint
 
 
+class TrainableSection(Section):
+    """Which weights a stage trains; every other one is frozen (posttrain/training/trainable.py).
+    Training only the top layers cuts the backward pass and the optimizer to them: on a CPU the
+    cheapest way to train a real model fully rather than through an adapter."""
+    top_layers: int | None = Field(None, ge=1, le=LARGEST_DIMENSION, description="Train the last this many "
+                                   "decoder layers and the final norm (not the tied embedding / head).")
+    patterns: list[str] = Field(default_factory=list, max_length=100, description="Glob patterns of parameter "
+                                "names that train as well, e.g. `model.layers.*.mlp.*`; each must name a parameter.")
+
+    @model_validator(mode="after")
+    def _names_something(self):
+        if self.top_layers is None and not self.patterns:
+            raise invalid("names no weights to train", "set top_layers, patterns, or remove trainable (all train)")
+        return self
+
+
 class SFTSection(Section):
     trl: dict[str, Any] = Field(default_factory=dict, description="Passed to trl.SFTConfig unchanged.")
     peft: dict[str, Any] | None = Field(None, description="LoRA: options of peft.LoraConfig (r, lora_alpha, "
                                        "target_modules, ...); the stage outputs the merged model and the adapter.")
+    trainable: TrainableSection | None = Field(None, description="Train only these weights (null: all, or the "
+                                               "LoRA adapter with `peft`).")
     stop_when: StopWhen | None = Field(None, description="Stop on a validation target; null trains for the "
                                                          "whole `trl:` schedule.")
     launcher: LauncherSection | None = Field(None, description="How this stage trains; null: the pipeline's "
@@ -137,6 +155,9 @@ class PassRateFilter(Section):
     min_pass_rate: float = Field(0.0, ge=-1, le=1, description="Keep prompts solved more often than this.")
     max_pass_rate: float = Field(1.0, ge=0, le=2, description="Keep prompts solved less often than this.")
     temperature: float | None = Field(None, gt=0, description="Sampling temperature; null = the stage's.")
+    max_prompts: int | None = Field(None, gt=0, description="Filter (and train on) at most this many training "
+                                    "prompts, drawn by `seed`: sampling every prompt of a large set with a real "
+                                    "model costs more than the stage trains on. null: all.")
 
     @model_validator(mode="after")
     def _a_band_with_room(self):
@@ -161,6 +182,8 @@ class GRPOStage(Section):
     trl: dict[str, Any] = Field(default_factory=dict, description="Passed to trl.GRPOConfig unchanged.")
     peft: dict[str, Any] | None = Field(None, description="LoRA: options of peft.LoraConfig (r, lora_alpha, "
                                        "target_modules, ...); the stage outputs the merged model and the adapter.")
+    trainable: TrainableSection | None = Field(None, description="Train only these weights (null: all, or the "
+                                               "LoRA adapter with `peft`).")
     launcher: LauncherSection | None = Field(None, description="How this stage trains; null: the pipeline's "
                                                                "`launcher`.")
 
@@ -451,6 +474,11 @@ def _check_cross_fields(path: Path, config: PipelineConfig) -> None:
         raise UserError(f"{path}: serving.session_lengths", f"a session of {max(serving.session_lengths)} tokens "
                         f"exceeds serving.context_length ({serving.context_length})",
                         "keep session lengths within the context length")
+    for stage in training_stages(config):
+        section = config.stage_section(stage)
+        if section.trainable is not None and section.peft is not None:
+            raise UserError(f"{path}: {stage.field}.trainable", "a LoRA stage trains its adapter, not chosen weights",
+                            "remove trainable, or peft (LoRA on some layers: peft's layers_to_transform)")
     tiny = config.model.tiny
     if config.model.path is None and (tiny.hidden_size % tiny.num_heads or tiny.num_heads % tiny.num_kv_heads):
         raise UserError(f"{path}: model.tiny", "num_heads must divide hidden_size and num_kv_heads num_heads",

@@ -70,3 +70,39 @@ def test_guardrail_pins_every_channel_to_its_minimum(env):
     assert funcs[0](completions, **columns) == [1.0, 0.0, 0.0]
     assert funcs[1](completions, **columns) == [1.0, 0.0, 0.5]
     assert logged == {"guardrails/overlong/hit_rate": pytest.approx(1 / 3)}
+
+
+@pytest.mark.parametrize("completion,exact,lenient,bare", [
+    ("109", "109", "109", True),                    # the bare number: every reading agrees
+    (" 109 ", "109", "109", True),                  # spaces around it
+    ("27 + 82 = 109.", None, "109", False),         # an instruct model's sentence: only the lenient reading
+    ("The result of 59 + 63 is 122.", None, "122", False),  # the number last, after others
+    ("I think -5", None, "-5", False),              # a negative number
+    ("no idea", None, None, False),                 # no number at all
+])
+def test_arithmetic_reads_replies_exactly_or_leniently(completion, exact, lenient, bare):
+    from posttrain.envs.arithmetic import ArithmeticEnv
+
+    strict, loose = ArithmeticEnv(), ArithmeticEnv(answer="last_number", prompt_format="What is {a} {op} {b}?")
+    assert strict.parse(completion) == exact and loose.parse(completion) == lenient
+    assert strict.format_ok(completion) is bare and loose.format_ok(completion) is bare
+
+
+def test_a_worded_prompt_round_trips_through_check_row():
+    from posttrain.envs.arithmetic import ArithmeticEnv
+
+    env = ArithmeticEnv(prompt_format="What is {a} {op} {b}?", answer="last_number", operand_max=99)
+    row = env.generate(0)["train"][0]
+    assert row["prompt"].startswith("What is ") and env.check_row(row) is None
+    assert "not of the form `What is <a> <op> <b>?`" in env.check_row({**row, "prompt": "3+4="})
+    assert "is wrong" in env.check_row({**row, "prompt": "What is 3 + 4?", "answer": "8"})
+
+
+@pytest.mark.parametrize("fmt", ["What is {a}?", "{a}{op}{b}{c}", "{a {op} {b}"])  # a field missing, extra, broken
+def test_a_prompt_format_must_name_the_operands(fmt):
+    from pydantic import ValidationError
+
+    from posttrain.envs.arithmetic import ArithmeticOptions
+
+    with pytest.raises(ValidationError, match="must name each of"):
+        ArithmeticOptions(prompt_format=fmt)

@@ -77,3 +77,22 @@ def test_similarity_reward_is_hacked_and_the_sentinel_catches_it(env):
     assert not hacked_run.accepted and "reward hacking: training reward rose" in hacked_run.reason
     honest_run = gate((mean(execution, before), mean(execution, after)))
     assert "reward hacking" not in honest_run.reason   # execution reward fell with the truth
+
+
+@pytest.mark.parametrize("completion,query", [
+    ("SELECT 1;", "SELECT 1"),                              # plain, a trailing semicolon dropped
+    ("```sql\nSELECT name FROM emp\n```", "SELECT name FROM emp"),  # an instruct model's fenced reply
+    ("```\nSELECT 1\n```\n", "SELECT 1"),                   # a fence without a language
+    ("Here it is: SELECT 1", None),                         # prose first: not a query
+])
+def test_parse_reads_a_query_alone_or_fenced(env, completion, query):
+    assert env.parse(completion) == query
+
+
+def test_a_chat_prompt_carries_the_schema():
+    from posttrain.envs.sql import SCHEMA, SQLEnv
+
+    env = SQLEnv(prompt_format="Question: {question}", system="Table: {schema}. One query.")
+    row = env.generate(0)["heldout"][0]
+    assert row["prompt"].startswith("Question: ") and env.system == f"Table: {SCHEMA}. One query."
+    assert env.verify(row["completion"], row["answer"])

@@ -166,14 +166,16 @@ def stage_setup(config, stage: str, *, prompt_chars: int, gpu: bool, where: str)
     TRL's default) rather than this machine's CPU (fp32)."""
     import trl as trl_package
 
-    from posttrain.training.trl_bridge import trl_schema
+    from posttrain.training.trl_bridge import cpu_has_bf16, trl_schema
     from posttrain.yamlfile import schema_error
     from pydantic import ValidationError
 
     section = config.stage_section(stage)
     field = StageId.parse(stage).field
     file = where.split(": ")[0]
-    trl, cls = section.trl, "SFTConfig" if stage == "sft" else "GRPOConfig"
+    trl, cls = dict(section.trl), "SFTConfig" if stage == "sft" else "GRPOConfig"
+    if trl.get("bf16") == "auto":  # as the stage resolves it where it will run (trl_bridge.resolve_auto)
+        trl["bf16"] = gpu or cpu_has_bf16()
     try:  # the options' types, as the stage will build them (a bad value is one line here too)
         trl_schema(getattr(trl_package, cls)).model_validate(trl)
     except ValidationError as err:

@@ -51,6 +51,7 @@ TEMPLATES = [
     ("{d} paid over {n}", "SELECT name FROM emp WHERE dept='{d}' AND salary>{n}", SALARIES),
 ]
 _ORDERED = re.compile(r"\border\s+by\b", re.IGNORECASE)
+_FENCE = re.compile(r"^\s*```[a-zA-Z]*\n(.*?)\n?```\s*$", re.DOTALL)
 
 
 def build_database(path: Path, *, employees: int, seed: int) -> None:
@@ -86,6 +87,21 @@ class SQLOptions(EnvOptions):
     timeout_s: float = Field(1.0, gt=0, le=60, description="Time limit of one query in the sandbox (seconds).")
     db_dir: str | None = Field(None, min_length=1, description="Folder of the database file; null = the "
                                                                 "system's temporary folder.")
+    prompt_format: str = Field("{question} =", max_length=2000, description="The prompt; names {question} (and "
+                               "may name {schema}, the table's CREATE statement), e.g. `{schema}\\n\\n{question}`.")
+    system: str | None = Field(None, max_length=20_000, description="System prompt of conversational prompts "
+                               "(data.chat); may name {schema}. null: the model template's own default.")
+
+    @field_validator("prompt_format")
+    @classmethod
+    def _names_the_question(cls, fmt):
+        try:
+            fmt.format(question="q", schema=SCHEMA)
+        except (ValueError, KeyError, IndexError, AttributeError):
+            raise invalid("may name only {question} and {schema}", "write literal braces as {{ }}") from None
+        if "{question}" not in fmt:
+            raise invalid("does not name {question}", "e.g. `{question} =` or `Question: {question}`")
+        return fmt
 
     @field_validator("heldout_size")
     @classmethod
@@ -101,8 +117,11 @@ class SQLEnv:
     Options = SQLOptions
 
     def __init__(self, employees: int = 30, db_seed: int = 0, heldout_size: int = 150,
-                 timeout_s: float = 1.0, db_dir: str | None = None):
+                 timeout_s: float = 1.0, db_dir: str | None = None, prompt_format: str = "{question} =",
+                 system: str | None = None):
         self.employees, self.db_seed, self.heldout_size, self.timeout_s = employees, db_seed, heldout_size, timeout_s
+        self.prompt_format = prompt_format
+        self.system = system.replace("{schema}", SCHEMA) if system else None  # the chat's system turn
         digest = hashlib.sha256(f"{DB_VERSION}|{SCHEMA}|{employees}|{db_seed}|{NAMES}|{DEPTS}".encode()).hexdigest()[:12]
         self.db_path = Path(db_dir or tempfile.gettempdir()) / f"posttrain-sql-{digest}.db"
         if not self.db_path.is_file():
@@ -118,13 +137,15 @@ class SQLEnv:
         random.Random(seed).shuffle(rows)
         return {"train": rows[self.heldout_size:], "heldout": rows[:self.heldout_size]}
 
-    @staticmethod
-    def row(question: str, gold: str) -> dict:
-        return {"prompt": f"{question} =", "completion": f" {gold}", "answer": gold}
+    def row(self, question: str, gold: str) -> dict:
+        return {"prompt": self.prompt_format.format(question=question, schema=SCHEMA), "completion": f" {gold}",
+                "answer": gold}
 
     def parse(self, completion: str) -> str | None:
-        """The query in the completion: it must start with SELECT; a trailing `;` is dropped."""
-        query = completion.strip().rstrip(";").strip()
+        """The query in the completion: it must start with SELECT, alone or in one Markdown code
+        block (instruct models fence their SQL); a trailing `;` is dropped."""
+        fenced = _FENCE.search(completion)
+        query = (fenced.group(1) if fenced else completion).strip().rstrip(";").strip()
         return query if query[:6].upper() == "SELECT" else None
 
     def execute(self, query: str) -> list[tuple] | None:

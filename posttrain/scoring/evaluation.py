@@ -90,7 +90,10 @@ def score(env, rows: list[dict], greedy: list[str], sampled: list[list[str]], *,
                 **{f"reward.{name}": values[i] for name, values in rewards.items()},
                 "correct": ok, "sampled_correct": c}
                for i, (g, r, ok, c) in enumerate(zip(greedy, rows, verdicts, correct))]
+    format_ok = getattr(env, "format_ok", None) or (lambda c: env.parse(c) is not None)
     result = {"greedy_accuracy": sum(verdicts) / len(rows),
+              # replies in the task's strict format (a lenient verifier may still read the others)
+              "format_rate": sum(map(bool, map(format_ok, greedy))) / len(rows),
               "pass_at_k": {str(k): mean_pass_at_k(correct, n, k) for k in ks},
               **stats.intervals(outcomes(samples, n), ks, resamples=resamples, seed=seed)}
     return result, samples

@@ -8,6 +8,7 @@ outputs the previous model unchanged. Each stage's `trl:` block goes into `GRPOC
 
 from __future__ import annotations
 
+import random
 import shutil
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from posttrain.scoring.gate import decide, reward_trend
 from posttrain.scoring.rewards import build_rewards
 from posttrain.stageid import StageId
 from posttrain.tracking.mlflow_runs import compute, flatten, stage_run
+from posttrain.training.trainable import freeze
 from posttrain.training.trainer import gate_evaluation, gate_figures, log_to_mlflow, lora_config, save_model, train
 
 ZERO_STD_WARNING = 0.5
@@ -83,6 +85,8 @@ def filter_prompts(config, stage, env, init_dir: str, rows: list[dict]) -> tuple
     share of such prompts is the zero-std share the stage would see without the filter.
     """
     band = stage.pass_rate_filter
+    if band.max_prompts is not None and len(rows) > band.max_prompts:
+        rows = random.Random(config.seed).sample(rows, band.max_prompts)
     if not band.enabled:
         return rows, {"prompts_kept": float(len(rows)), "prompts_dropped": 0.0}
     temperature = band.temperature or stage.trl.get("temperature", 1.0)
@@ -118,6 +122,7 @@ def train_job(config, job: dict) -> dict:
     trainer = GRPOTrainer(model=init_dir, reward_funcs=funcs, args=args, train_dataset=dataset,
                           processing_class=AutoTokenizer.from_pretrained(init_dir),
                           peft_config=lora_config(f"{field}.peft", stage.peft))
+    counts = freeze(trainer.model, stage.trainable, f"{field}.trainable") if stage.trainable else {}
     log_to_mlflow(trainer)
     seconds, resumed = train(trainer, run_dir)
     save_model(trainer, job["out_dir"])
@@ -128,7 +133,8 @@ def train_job(config, job: dict) -> dict:
     zero_std = [e["frac_reward_zero_std"] for e in logs] or [0.0]
     summary = {"train_seconds": seconds, "steps": float(trainer.state.global_step), "resumed_from_step": float(resumed),
                "reward_first": logs[0]["reward"] if logs else 0.0, "reward_last": logs[-1]["reward"] if logs else 0.0,
-               "frac_reward_zero_std_mean": sum(zero_std) / len(zero_std), "frac_reward_zero_std_last": zero_std[-1]}
+               "frac_reward_zero_std_mean": sum(zero_std) / len(zero_std), "frac_reward_zero_std_last": zero_std[-1],
+               **counts}
     return {"curve": curve, "metrics": add_timeout_counts(summary, env)}  # the rewards' matches cut at a limit
 
 

@@ -28,6 +28,7 @@ from posttrain.layout import PARAMS_FILE, resolve_model_dir, write_card
 from posttrain.tracking.lineage import log_datasets
 from posttrain.training.stopping import StopOnTarget, carve_validation, validation_curve
 from posttrain.tracking.mlflow_runs import compute, flatten, stage_run
+from posttrain.training.trainable import freeze
 from posttrain.training.trainer import gate_evaluation, gate_figures, log_to_mlflow, lora_config, save_model, train
 
 
@@ -60,7 +61,7 @@ def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: 
                    "resumed_from_step": float(trained["resumed"]), "world_size": float(trained["world_size"]),
                    "train_loss": next((e["train_loss"] for e in reversed(trained["log_history"])
                                        if "train_loss" in e), 0.0),
-                   "format_contract": contract,
+                   "format_contract": contract, **trained.get("counts", {}),
                    **stop_metrics(config, curve, trained["steps"], trained["measuring"]),
                    **gate_figures(evaluation, config.gate.k)}
         report_timeouts("stage sft", add_timeout_counts(metrics, env))  # the gate's matches cut at a limit
@@ -92,6 +93,7 @@ def train_job(config, job: dict) -> dict:
     trainer = SFTTrainer(model=base, args=args, train_dataset=dataset,
                          processing_class=AutoTokenizer.from_pretrained(base),
                          peft_config=lora_config("sft.peft", config.sft.peft))
+    counts = freeze(trainer.model, config.sft.trainable, "sft.trainable") if config.sft.trainable else {}
     log_to_mlflow(trainer)
     stop, stopper = config.sft.stop_when, None
     if stop is not None:
@@ -103,7 +105,7 @@ def train_job(config, job: dict) -> dict:
     seconds, resumed = train(trainer, run_dir)
     save_model(trainer, job["out_dir"])
     return {"log_history": trainer.state.log_history, "steps": trainer.state.global_step, "seconds": seconds,
-            "resumed": resumed, "measuring": stopper.seconds if stopper else 0.0}
+            "resumed": resumed, "measuring": stopper.seconds if stopper else 0.0, "counts": counts}
 
 
 def stop_metrics(config, curve: list[dict], steps: int, measuring: float) -> dict[str, float]:

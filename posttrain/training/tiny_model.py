@@ -38,9 +38,22 @@ def build_model(tokenizer, *, hidden_size: int, num_layers: int, num_heads: int,
                 num_kv_heads: int, intermediate_size: int, max_positions: int, seed: int):
     """A randomly initialised `LlamaForCausalLM` sized for 2 CPU cores."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
+    config = tiny_config(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                         num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, max_positions=max_positions,
+                         tokenizer=tokenizer)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def tiny_config(*, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
+                max_positions: int, tokenizer=None):
+    """The tiny model's `LlamaConfig` (the tokenizer built here when none is given)."""
+    from transformers import LlamaConfig
+
+    tokenizer = tokenizer or build_tokenizer()
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -54,8 +67,6 @@ def build_model(tokenizer, *, hidden_size: int, num_layers: int, num_heads: int,
         eos_token_id=tokenizer.eos_token_id,
         dtype="float32",
     )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
 
 
 def save_tiny_model(out_dir: str | Path, **shape) -> int:

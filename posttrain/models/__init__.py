@@ -1,0 +1,1 @@
+"""Model files from elsewhere: GGUF import, the models posttrain can fetch."""
