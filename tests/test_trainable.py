@@ -66,3 +66,19 @@ def test_a_trl_step_moves_only_the_trainable_weights(tmp_path):
     moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])}
     assert moved and all(n.startswith("model.layers.2.") or n == "model.norm.weight" for n in moved), moved
     assert 0 < counts["trainable_params"] < counts["total_params"]
+
+
+def test_the_memory_plan_counts_only_the_trained_weights(tmp_path):
+    from conftest import REPO
+    from posttrain.capacity.fit import pipeline_plan
+    from posttrain.config import load_config
+
+    path = tmp_path / "top.yaml"
+    path.write_text(yaml.safe_dump({"extends": str(REPO / "configs" / "pipeline.yaml"),
+                                    "sft": {"trainable": {"top_layers": 1}}}))
+    whole = pipeline_plan(load_config(REPO / "configs" / "pipeline.yaml"), config_path=str(path), prompt_chars=8)
+    top = pipeline_plan(load_config(path), config_path=str(path), prompt_chars=8)
+    # the default tiny model: 4 layers of hidden 128; one layer and the final norm train
+    per_layer = 128 * 128 * 2 + 128 * 64 * 2 + 3 * 128 * 512 + 2 * 128
+    assert top["stages"]["sft"]["trainable_params"] == per_layer + 128
+    assert top["stages"]["sft"]["gradients_bytes"] == 4 * (per_layer + 128) < whole["stages"]["sft"]["gradients_bytes"]

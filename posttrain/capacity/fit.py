@@ -198,6 +198,10 @@ def stage_setup(config, stage: str, *, prompt_chars: int, gpu: bool, where: str)
             raise UserError(f"{file}: {field}.peft.r", f"{str(rank)[:40]} is not a LoRA rank", "give a whole number >= 1")
         common.update(lora_rank=rank, lora_modules=lora_modules(model, section.peft, f"{file}: {field}.peft"),
                       extra_trainable=saved_modules(model, section.peft))
+    if section.trainable is not None:
+        from posttrain.training.trainable import trained_count
+
+        common.update(trainable_params=trained_count(config, section.trainable))
     if stage == "sft":
         return Setup(method="sft", seq=int(option("max_length") or 1024), **common)
     completion = int(option("max_completion_length"))

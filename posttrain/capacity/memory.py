@@ -132,6 +132,7 @@ class Setup:
     load_bytes: int = 4             # bytes per weight as TRL loads the model (model_init_kwargs dtype): float32 4
                                     # (TRL 1.x's default), bfloat16 / float16 2; DeepSpeed casts to 16-bit anyway
     extra_trainable: int = 0        # LoRA: parameters of `modules_to_save`, trained whole
+    trainable_params: int = 0       # partial training (a stage's `trainable:`): the parameters that train; 0: all
     generation_batch: int | None = None  # sequences generated at once per GPU (GRPO); None: the micro-batch
     gather_for_generation: bool = False  # DeepSpeed ZeRO-3: TRL gathers the whole 16-bit model to generate
     vllm_server: bool = False       # generation on a vLLM server elsewhere: none here
@@ -306,7 +307,8 @@ def plan(config: dict, setup: Setup) -> Plan:
     """Every part of one training setup's peak memory per GPU."""
     s = shape(config)
     p = s.params
-    t = s.lora_params(setup.lora_rank, setup.lora_modules) + setup.extra_trainable if setup.lora_rank else p
+    t = s.lora_params(setup.lora_rank, setup.lora_modules) + setup.extra_trainable if setup.lora_rank else \
+        (setup.trainable_params or p)
     n = setup.gpus * setup.nodes
     frozen_dtype = 2 if sixteen_bit_weights(setup) else setup.load_bytes if setup.mixed_precision else 4
     added = t if setup.lora_rank else 0  # the adapter and peft's trainable copies of `modules_to_save`

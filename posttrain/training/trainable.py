@@ -62,6 +62,19 @@ def check(where: str, spec, names: list[str], layers: int) -> None:
 def parameter_names(config) -> tuple[list[str], int]:
     """(parameter names, decoder layers) of the pipeline's base model, built on the meta
     device from its config: no weights are read."""
+    sizes, layers = parameter_sizes(config)
+    return list(sizes), layers
+
+
+def trained_count(config, spec) -> int:
+    """How many of the base model's parameters `spec` trains (the memory plan's)."""
+    sizes, layers = parameter_sizes(config)
+    return sum(sizes[name] for name in selected(list(sizes), top_layers=spec.top_layers,
+                                                patterns=list(spec.patterns), num_layers=layers))
+
+
+def parameter_sizes(config) -> tuple[dict[str, int], int]:
+    """(parameter name -> elements, decoder layers) of the base model, on the meta device."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -75,7 +88,7 @@ def parameter_names(config) -> tuple[list[str], int]:
         model_config = AutoConfig.from_pretrained(str(resolve(config.model.path)))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
-    return [name for name, _ in model.named_parameters()], model_config.num_hidden_layers
+    return {name: p.numel() for name, p in model.named_parameters()}, model_config.num_hidden_layers
 
 
 def freeze(model, spec, where: str = "trainable") -> dict[str, float]:
