@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -36,6 +37,7 @@ from seed_sweep import last_run, run_seed  # noqa: E402
 from posttrain.config import read_config_dict  # noqa: E402
 from posttrain.files import read_json  # noqa: E402
 from posttrain.scoring import stats  # noqa: E402
+from posttrain.training import trl_bridge  # noqa: E402
 
 K = 8
 GAIN, P_MAX, TRAIN_MINUTES = 0.15, 0.01, 30.0  # issue 27's goal
@@ -105,12 +107,10 @@ def verdict(rows: list[dict]) -> list[str]:
 
 
 def machine() -> str:
+    """The CPU the table was measured on: its name, cores and the bf16 units `bf16: auto` reads."""
     model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                  platform.processor())
-    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
-    extras = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    import os
-
+    extras = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in trl_bridge.cpu_flags()]
     return f"{model}, {os.cpu_count()} cores, {' '.join(extras) or 'no AVX-512'}"
 
 

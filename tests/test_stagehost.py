@@ -52,6 +52,8 @@ def test_a_stage_the_host_runs_ends_as_the_command_alone(workspace):
     assert alone.returncode == hosted.returncode == 2
     assert hosted.stderr == alone.stderr and hosted.stderr.count("\n") == 1, hosted.stderr  # not declined
     assert hosted.stdout == alone.stdout == ""
+    prompted = hosted_env(ws, **{stagehost.ENV_VAR: path}, PS1="(.venv) $ ")  # `activate`d; DVC's shell drops it
+    assert posttrain(bad, ws, prompted).stderr == alone.stderr
 
 
 def test_the_fork_runs_the_workspace_code_as_it_is_now(workspace):

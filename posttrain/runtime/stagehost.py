@@ -49,7 +49,8 @@ PRELOAD = (("trl", "GRPOConfig"), ("transformers", "AutoModelForCausalLM"), ("tr
            ("peft", "LoraConfig"), ("pydantic", "BaseModel"), ("yaml", "safe_load"), ("matplotlib.pyplot", "figure"),
            ("scipy.stats", "norm"))
 # set per stage by the flow and DVC, read lazily: a stage may differ from the host in these
-MAY_DIFFER = ("DVC_", "MLFLOW_", "PREFECT_", "POSTTRAIN_", "PWD", "OLDPWD", "SHLVL", "_",
+# PS1/PS2: a venv's `activate` exports the prompt, and the non-interactive shell DVC runs a stage in unsets it
+MAY_DIFFER = ("DVC_", "MLFLOW_", "PREFECT_", "POSTTRAIN_", "PWD", "OLDPWD", "SHLVL", "_", "PS1", "PS2",
               "PYTHONPATH")  # PYTHONPATH: what it changes is compared (the posttrain package, search_path)
 HEADER = struct.Struct("!I")
 HOSTS: dict[str, set[str]] = {}  # the hosts this process runs, by folder: their sockets

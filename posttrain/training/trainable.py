@@ -10,6 +10,8 @@ then holds only the parameters that still require a gradient.
 from __future__ import annotations
 
 import fnmatch
+import functools
+import json
 import re
 
 from posttrain.errors import UserError
@@ -74,18 +76,26 @@ def trained_count(config, spec) -> int:
 
 
 def parameter_sizes(config) -> tuple[dict[str, int], int]:
-    """(parameter name -> elements, decoder layers) of the base model, on the meta device."""
+    """(parameter name -> elements, decoder layers) of the base model, on the meta device; built
+    once per model and process (`check` and the memory plan both ask)."""
+    if config.model.path is None:
+        return _sizes(None, json.dumps(config.model.tiny.model_dump(), sort_keys=True))
+    from posttrain.plugins import resolve
+
+    return _sizes(str(resolve(config.model.path)), None)
+
+
+@functools.lru_cache(maxsize=4)
+def _sizes(path: str | None, tiny: str | None) -> tuple[dict[str, int], int]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if config.model.path is None:
+    if path is None:
         from posttrain.training.tiny_model import tiny_config
 
-        model_config = tiny_config(**config.model.tiny.model_dump())
+        model_config = tiny_config(**json.loads(tiny))
     else:
-        from posttrain.plugins import resolve
-
-        model_config = AutoConfig.from_pretrained(str(resolve(config.model.path)))
+        model_config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
     return {name: p.numel() for name, p in model.named_parameters()}, model_config.num_hidden_layers

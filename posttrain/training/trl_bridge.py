@@ -108,15 +108,19 @@ def device_defaults() -> dict:
     return {} if torch.cuda.is_available() else {"use_cpu": True, "bf16": False}
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux lists them (empty where /proc/cpuinfo is not there)."""
+    try:
+        return set(next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()[2:])
+    except OSError:
+        return set()
+
+
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX). Without them bf16
     autocast is emulated: on a 2-core Xeon without either it tripled SmolLM2-135M's backward
     pass; with AMX it cut a step by 16-40% (docs/measured.md)."""
-    try:
-        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def resolve_auto(options: dict) -> dict:
