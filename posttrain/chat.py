@@ -79,3 +79,40 @@ def reward_columns(row: dict) -> dict:
 def completion_texts(completions: list) -> list[str]:
     """Plain text of TRL's completions: a conversational one is a list of messages."""
     return [c[-1]["content"] if isinstance(c, list) and c and isinstance(c[-1], dict) else c for c in completions]
+
+
+TOOL_TEMPLATE = Path(__file__).parent / "chat_templates" / "chatml_tools.jinja"
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+
+def tool_ready(tokenizer, where: str = "model.path") -> str | None:
+    """Make `tokenizer` render tool calls and results and parse calls back (TRL's
+    `parse_response` reads its `response_template`); the tool environments need both.
+
+    The model's own template stays when it renders a whole tool round-trip and TRL knows
+    how to parse it (`trl.chat_template_utils.add_response_schema`), or the tokenizer
+    carries a response template already. Otherwise posttrain's tool-capable ChatML
+    (TOOL_TEMPLATE) replaces it, when the vocabulary has ChatML's turn tokens: returns
+    the line that says so. A model with neither is refused (UserError at `where`)."""
+    from trl.chat_template_utils import add_response_schema, qwen3_template, supports_tool_calling
+
+    from posttrain.errors import UserError
+
+    if supports_tool_calling(tokenizer):
+        if getattr(tokenizer, "response_template", None) is not None:
+            return None
+        try:
+            add_response_schema(tokenizer)
+            return None
+        except ValueError:
+            pass  # a template TRL cannot parse calls from: posttrain's, where the vocabulary allows
+    vocab = tokenizer.get_vocab()
+    if not all(token in vocab for token in CHATML_TOKENS):
+        raise UserError(where, "the model's chat template cannot render tool calls and its vocabulary has no "
+                               "ChatML tokens (<|im_start|>, <|im_end|>) for posttrain's tool template",
+                        "use a model whose chat template renders tools (TRL's add_response_schema knows it), "
+                        "or set a tool-capable chat_template and response_template in its tokenizer_config.json")
+    tokenizer.chat_template = TOOL_TEMPLATE.read_text()
+    tokenizer.response_template = qwen3_template
+    return (f"posttrain: the model's chat template cannot render tool calls; using posttrain's tool-capable "
+            f"ChatML ({TOOL_TEMPLATE.relative_to(Path(__file__).parent.parent)})")

@@ -1,0 +1,244 @@
+"""Tool environments: the tool-capable chat template, the guard around every tool, the
+checks `posttrain check` makes, the calculator, and episodes run the way TRL runs them."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from chat_model import build_chat_model
+from posttrain.chat import TOOL_TEMPLATE, tool_ready
+from posttrain.envs.calculator import CalculatorEnv
+from posttrain.envs.calculator import evaluate
+from posttrain.envs.tools import ToolLimits, guard, tool_problems
+from posttrain.errors import UserError
+from posttrain.scoring.episodes import dry_episode, run_episodes
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A random-weight ChatML model whose own template renders no tools (SmolLM2's case)."""
+    env = CalculatorEnv()
+    texts = [r["prompt"] for r in env.generate(0)["train"][:200]] + [TOOL_TEMPLATE.read_text()]
+    return build_chat_model(tmp_path_factory.mktemp("m") / "chat", texts, vocab_size=500, positions=1024)
+
+
+@pytest.fixture
+def tokenizer(chat_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(chat_model)
+
+
+def test_a_chatml_model_gets_the_tool_template_and_trl_parses_its_calls_back(tokenizer):
+    from trl.chat_template_utils import (is_chat_template_prefix_preserving, is_chat_template_stop_token_trained,
+                                         parse_response, supports_tool_calling)
+
+    assert not supports_tool_calling(tokenizer)
+    note = tool_ready(tokenizer)
+    assert "chatml_tools.jinja" in note
+    assert supports_tool_calling(tokenizer) and is_chat_template_prefix_preserving(tokenizer)
+    assert is_chat_template_stop_token_trained(tokenizer)  # the SFT loss covers <|im_end|>
+    assert tool_ready(tokenizer) is None  # once set, it stays
+    env = CalculatorEnv()
+    row = env.generate(0)["heldout"][0]
+    episode = [{"role": "system", "content": env.system}, {"role": "user", "content": row["prompt"]}] + row["trace"]
+    tools = [guard(env.episode)().calc]
+    prefix = tokenizer.apply_chat_template(episode[:2], tools=tools, add_generation_prompt=True, return_dict=False)
+    full = tokenizer.apply_chat_template(episode[:3], tools=tools, return_dict=False)
+    call = parse_response(tokenizer, full[len(prefix):], prefix=prefix, tools=tools)
+    assert call["tool_calls"] == row["trace"][0]["tool_calls"]
+    # SFT on a trace trains the assistant's tokens only: never the tool's result
+    out = tokenizer.apply_chat_template(episode, tools=tools, return_dict=True, return_assistant_tokens_mask=True)
+    trained = tokenizer.decode([i for i, m in zip(out["input_ids"], out["assistant_masks"]) if m])
+    assert "<tool_call>" in trained and trained.endswith("<|im_end|>")
+    assert "<tool_response>" not in trained and trained.count("<|im_end|>") == 2
+
+
+def test_a_model_without_chatml_tokens_or_tool_support_is_refused_in_one_line():
+    from posttrain.training.tiny_model import build_tokenizer
+
+    with pytest.raises(UserError) as err:
+        tool_ready(build_tokenizer())
+    assert str(err.value).startswith("model.path: ") and "\n" not in str(err.value)
+
+
+class Misbehaving:
+    """An episode whose tools go wrong in every way a user's can."""
+
+    def reset(self, **row):
+        return None
+
+    def hang(self, x: int) -> str:
+        """Never returns.
+
+        Args:
+            x: ignored
+        """
+        while True:
+            pass
+
+    def huge(self) -> str:
+        """Returns 10 MB."""
+        return "x" * 10_000_000
+
+    def fails(self, x: int) -> str:
+        """Raises every time.
+
+        Args:
+            x: ignored
+        """
+        raise KeyError("no such row")
+
+    def quits(self) -> str:
+        """Calls sys.exit."""
+        raise SystemExit(3)
+
+
+def test_the_guard_contains_a_hang_a_huge_reply_an_exception_and_an_exit():
+    episode = guard(Misbehaving, ToolLimits(seconds=0.2, max_chars=1000))()
+    episode.reset(prompt="p")
+    with pytest.raises(RuntimeError, match="ran past its 0.2 s limit"):
+        episode.hang(1)
+    assert len(episode.huge()) < 1100
+    with pytest.raises(RuntimeError, match="KeyError"):
+        episode.fails(1)
+    with pytest.raises(RuntimeError, match="SystemExit"):
+        episode.quits()
+    assert (episode.tool_calls, episode.tool_errors) == (4, 3)
+    assert episode.reset(prompt="p") is None and episode.tool_calls == 0
+
+
+def test_the_time_limit_holds_off_the_main_thread_too():
+    episode = guard(Misbehaving, ToolLimits(seconds=0.2))()
+    caught = []
+
+    def call():
+        try:
+            episode.hang(1)
+        except RuntimeError as err:
+            caught.append(str(err))
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    worker.join(30)
+    assert caught and "limit" in caught[0]
+
+
+def test_the_guarded_tools_show_the_model_the_same_schema():
+    from transformers.utils import get_json_schema
+
+    from posttrain.envs.calculator import CalculatorEpisode
+
+    assert get_json_schema(guard(CalculatorEpisode)().calc) == get_json_schema(CalculatorEpisode().calc)
+
+
+class Untyped:
+    def reset(self, **row):
+        return None
+
+    def lookup(self, key):
+        """Looks up a key.
+
+        Args:
+            key: the key
+        """
+        return key
+
+
+class Undocumented:
+    def reset(self, **row):
+        return None
+
+    def lookup(self, key: str) -> str:
+        return key
+
+
+class NoArgsSection:
+    def reset(self, **row):
+        return None
+
+    def lookup(self, key: str) -> str:
+        """Looks up a key."""
+        return key
+
+
+class NoReset:
+    def lookup(self, key: str) -> str:
+        """Looks up a key.
+
+        Args:
+            key: the key
+        """
+        return key
+
+
+class NoTools:
+    def reset(self, **row):
+        return None
+
+
+@pytest.mark.parametrize("episode, words", [(Untyped, "lookup"), (Undocumented, "lookup"),
+                                            (NoArgsSection, "key"), (NoReset, "no reset"), (NoTools, "no tools")])
+def test_check_names_what_a_bad_tool_environment_lacks(episode, words):
+    problems = tool_problems(episode)
+    assert len(problems) == 1 and words in problems[0] and "\n" not in problems[0]
+
+
+def test_the_built_in_calculator_passes_the_checks():
+    assert tool_problems(CalculatorEnv().episode) == []
+
+
+@pytest.mark.parametrize("expression, value", [("37 * 48", 1776), ("(37 + 48) * 2", 170), ("7 / 2", 3.5),
+                                               ("-3 + 10 % 4", -1)])
+def test_the_calculator_evaluates_arithmetic(expression, value):
+    assert evaluate(expression) == value
+
+
+@pytest.mark.parametrize("expression", ["__import__('os').system('id')", "2 ** 10", "9" * 16 + " * 9",
+                                        "x + 1", "1 / 0", "1 +" * 100 + "1", "open('f')", "(1).real"])
+def test_the_calculator_refuses_anything_but_bounded_arithmetic(expression):
+    with pytest.raises(ValueError):
+        evaluate(expression)
+
+
+def test_a_dry_episode_replays_the_gold_trace_through_template_parser_and_tools(tokenizer):
+    tool_ready(tokenizer)
+    env = CalculatorEnv()
+    row = env.generate(0)["heldout"][3]
+    episode = dry_episode(tokenizer, env, row)
+    assert env.verify(episode.final, row["answer"])
+    assert (episode.turns, episode.tool_calls, episode.tool_errors, episode.truncated) == (2, 1, 0, False)
+    assert episode.messages[3] == {"role": "tool", "name": "calc", "content": row["answer"]}
+
+
+def test_a_dry_episode_scores_an_environment_whose_tools_fail(tokenizer):
+    tool_ready(tokenizer)
+
+    class Env:
+        system = None
+        episode = Misbehaving
+        max_turns = 8
+
+    Misbehaving.hang = NoReset.lookup  # keep the dry run short: every other tool misbehaves as above
+    try:
+        episode = dry_episode(tokenizer, Env(), {"prompt": "q", "completion": "done"})
+    finally:
+        del Misbehaving.hang
+    assert (episode.tool_calls, episode.tool_errors, episode.final) == (4, 2, "done")  # fails and quits
+
+
+def test_model_episodes_stop_within_their_caps(chat_model, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    tool_ready(tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(chat_model).eval()
+    env = CalculatorEnv()
+    rows = env.generate(0)["heldout"][:3]
+    episodes = run_episodes(model, tokenizer, env, rows, n=2, temperature=1.0, max_tokens=40, seed=0)
+    assert [len(group) for group in episodes] == [2, 2, 2]
+    for group in episodes:
+        for episode in group:
+            assert episode.done and (episode.tokens <= 40 or episode.truncated)
+            assert episode.turns <= env.max_turns + 1
