@@ -45,18 +45,26 @@ def conversation(prompt: str, system: str | None) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
 
 
-def render(rows: list[dict], tokenizer, system: str | None) -> list[dict]:
-    """Rows with `messages` (the conversation) and `prompt` rendered by the template."""
+def render(rows: list[dict], tokenizer, system: str | None, tools: list | None = None) -> list[dict]:
+    """Rows with `messages` (the conversation) and `prompt` rendered by the template
+    (with the tools' signatures in it, for a tool environment)."""
     out = []
     for row in rows:
         messages = conversation(row["prompt"], system)
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
         out.append({**row, "prompt": text, "messages": messages})
     return out
 
 
-def sft_rows(rows: list[dict]) -> list[dict]:
-    """TRL's prompt-completion rows: conversational when the rows carry `messages`."""
+def sft_rows(rows: list[dict], tools: list[dict] | None = None) -> list[dict]:
+    """TRL's prompt-completion rows: conversational when the rows carry `messages`; for
+    a tool environment (`tools`: the tools' JSON schemas) TRL's conversational rows, each
+    the whole gold episode (`trace`: calls, results, answer) with the tools it may call,
+    for `assistant_only_loss` (the template's generation markers: tool results get no loss)."""
+    if tools is not None:
+        listed = json.dumps(tools)
+        return [{"messages": r["messages"] + [_arguments_as_text(m) for m in r["trace"]], "tools": listed}
+                for r in rows]
     if rows and "messages" in rows[0]:
         # an assistant turn's content, without the space a plain-text target needs after its prompt
         return [{"prompt": r["messages"], "completion": [{"role": "assistant", "content": r["completion"].strip()}]}
@@ -72,16 +80,34 @@ def grpo_rows(rows: list[dict]) -> list[dict]:
 
 def reward_columns(row: dict) -> dict:
     """What a reward function gets of a row besides the completion: every column but the
-    prompt, its conversation and the SFT target."""
-    return {k: v for k, v in row.items() if k not in ("prompt", "messages", "completion")}
+    prompt, its conversation, the SFT target and the gold episode."""
+    return {k: v for k, v in row.items() if k not in ("prompt", "messages", "completion", "trace")}
 
 
 def completion_texts(completions: list) -> list[str]:
-    """Plain text of TRL's completions: a conversational one is a list of messages."""
-    return [c[-1]["content"] if isinstance(c, list) and c and isinstance(c[-1], dict) else c for c in completions]
+    """Plain text of TRL's completions: a conversational one is a list of messages, and
+    of an episode (replies, tool results) the text is its last reply: never a tool's
+    result, which an episode cut short after a call would otherwise end with."""
+    return [_last_reply(c) if isinstance(c, list) else c for c in completions]
 
 
-TOOL_TEMPLATE = Path(__file__).parent / "chat_templates" / "chatml_tools.jinja"
+def _last_reply(messages: list) -> str:
+    replies = [m for m in messages if isinstance(m, dict) and m.get("role", "assistant") == "assistant"]
+    return (replies[-1].get("content") or "") if replies else ""
+
+
+def _arguments_as_text(message: dict) -> dict:
+    """A trace message whose tool calls carry their arguments as JSON text: one table
+    column holds every tool's arguments, whatever their names (the template writes text as is)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    return {**message, "tool_calls": [{**c, "function": {**c["function"],
+                                                          "arguments": json.dumps(c["function"]["arguments"])}}
+                                      for c in calls]}
+
+
+TOOL_TEMPLATE = Path(__file__).parent / "chat_templates/chatml_tools.jinja"
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 
 

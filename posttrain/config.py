@@ -53,14 +53,25 @@ class ModelSection(Section):
     tiny: TinyModel = Field(TinyModel(), description="Shape of the tiny Llama built when `path` is null.")
 
 
+class ToolLimitsSection(Section):
+    """What one tool call of a tool environment may take (posttrain.envs.tools.guard): past
+    the time limit the call is stopped and its error goes back to the model; a longer
+    reply is cut. The episode is scored either way."""
+    seconds: float = Field(5.0, gt=0, le=600, description="Wall seconds one tool call may run.")
+    max_chars: int = Field(2000, ge=100, le=1_000_000, description="Characters of a tool's reply the model sees.")
+
+
 class DataSection(Section):
     env: str = Field("arithmetic", min_length=1, max_length=200,
-                     description="Environment: a built-in (arithmetic, sql), an entry point of the group "
-                                 "posttrain.envs, or an import path package.module:factory (a workspace's own "
-                                 "in custom/); posttrain/envs/base.py gives the protocol.")
+                     description="Environment: a built-in (arithmetic, sql, dataset; calculator: a tool "
+                                 "environment), an entry point of the group posttrain.envs, or an import path "
+                                 "package.module:factory (a workspace's own in custom/); posttrain/envs/base.py "
+                                 "gives the protocol, posttrain/envs/tools.py a tool environment's.")
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword options of the environment.")
     chat: bool = Field(False, description="Conversational prompts: the model's chat template (its tokenizer's) "
                                           "wraps each prompt, with the environment's system prompt; needs model.path.")
+    tool_limits: ToolLimitsSection = Field(ToolLimitsSection(), description="A tool environment's limits on each "
+                                           "tool call (time, reply size).")
 
 
 class StopWhen(Section):

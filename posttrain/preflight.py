@@ -65,6 +65,7 @@ def model_room(path: Path, config: PipelineConfig, env, rows: dict[str, list[dic
     that split over the serving GPUs, positions for the longest prompt and what follows
     it. The longest prompt's characters."""
     heads, kv_heads, positions = model_shape(path, config)
+    _check_tools(path, config, env, rows)
     longest = prompt_chars(config, env, rows, check_chat=lambda: _check_chat(path, config))
     _check_tensor_parallel(path, config.serving.tensor_parallel_size, heads, kv_heads)
     _check_lengths(path, config, longest, positions)
@@ -168,9 +169,48 @@ def prompt_chars(config: PipelineConfig, env=None, rows: dict[str, list[dict]] |
             env = get_env(config.data.env, **config.data.options)
             rows = env.generate(config.seed)
     chat = check_chat() if check_chat else config.data.chat
-    if chat:  # the prompt as generation sees it
-        return _longest_rendered(config, getattr(env, "system", None), rows)
+    if chat:  # the prompt as generation sees it (a tool environment's with its tools' signatures)
+        from posttrain.envs.tools import is_tool_env, tool_schemas
+
+        tools = tool_schemas(env.episode) if is_tool_env(env) else None
+        return _longest_rendered(config, getattr(env, "system", None), rows, tools)
     return max(len(r["prompt"]) for split in rows.values() for r in split)
+
+
+def _check_tools(path: Path, config: PipelineConfig, env, rows: dict[str, list[dict]]) -> None:
+    """A tool environment before compute: conversational prompts, tools the chat template
+    can describe, a template that renders a tool round-trip and whose calls TRL parses
+    back (posttrain's own ChatML when the model's cannot), and one dry episode of the first
+    training row with a scripted policy (posttrain.scoring.episodes.dry_episode)."""
+    from posttrain.envs.tools import is_tool_env, tool_limits, tool_problems
+
+    if not is_tool_env(env):
+        return
+    where = f"{path}: data.env"
+    if not config.data.chat:
+        raise UserError(f"{path}: data.chat", f"{show(config.data.env)} is a tool environment: its episodes are "
+                        "conversations", "set data.chat: true (and model.path to a chat model)")
+    if config.sft.stop_when is not None:
+        raise UserError(f"{path}: sft.stop_when", "stop_when measures single replies, not a tool environment's "
+                        "episodes", "remove sft.stop_when and set the warmup's length in sft.trl (max_steps)")
+    problems = tool_problems(env.episode)
+    if problems:
+        raise UserError(where, problems[0], "give every tool typed arguments and a docstring with an Args: line "
+                        "per argument (TRL's environment_factory shape: posttrain/envs/tools.py)")
+    _check_chat(path, config)
+    from posttrain.chat import load_tokenizer, tool_ready
+    from posttrain.scoring.episodes import dry_episode
+
+    tokenizer = load_tokenizer(str(resolve(config.model.path).resolve()))
+    note = tool_ready(tokenizer, where=f"{path}: model.path")
+    if note:
+        print(note, flush=True)
+    try:
+        dry_episode(tokenizer, env, rows["train"][0], limits=tool_limits(config))
+    except Exception as err:  # the template's, the parser's or the environment's own reason
+        raise UserError(where, f"a dry episode of the first training row failed: {type(err).__name__}: "
+                        f"{' '.join(str(err).split())[:200]}", "fix the environment's reset/tools or the chat "
+                        "template so a scripted episode runs") from None
 
 
 def _check_chat(path: Path, config: PipelineConfig) -> bool:
@@ -189,7 +229,8 @@ def _check_chat(path: Path, config: PipelineConfig) -> bool:
     return True
 
 
-def _longest_rendered(config: PipelineConfig, system: str | None, rows: dict[str, list[dict]]) -> int:
+def _longest_rendered(config: PipelineConfig, system: str | None, rows: dict[str, list[dict]],
+                      tools: list | None = None) -> int:
     """Characters of the longest prompt once the chat template wraps it (an upper bound
     of its tokens, as for plain prompts)."""
     from posttrain.chat import load_tokenizer, render
@@ -197,7 +238,7 @@ def _longest_rendered(config: PipelineConfig, system: str | None, rows: dict[str
     longest = max((r for split in rows.values() for r in split), key=lambda r: len(r["prompt"]))
     try:
         tokenizer = load_tokenizer(str(resolve(config.model.path).resolve()))
-        return len(render([longest], tokenizer, system)[0]["prompt"])
+        return len(render([longest], tokenizer, system, tools)[0]["prompt"])
     except Exception as err:  # the tokenizer's or its template's own reason (a system turn it refuses, ...)
         raise UserError(f"{config.model.path}: chat template", f"cannot render a prompt: {type(err).__name__}: "
                         f"{' '.join(str(err).split())[:200]}", "fix the template, drop data.options.system if the "

@@ -56,6 +56,8 @@ READS = {
                                         "grpo's rewards and filter, evaluate's scores"),
     "data.options": ({"prepare", *SCORERS}, "the same get_env call: generate, verify, the answer patterns"),
     "data.chat": ({"prepare"}, "prepare wraps the rows in the chat template; the others read those rows (a dep)"),
+    "data.tool_limits": ({"sft", *GRPO, "evaluate"}, "a tool environment's limits on each tool call: the gates' "
+                                                    "and evaluate's episodes, grpo's filter and training"),
     "launcher": ({"grpo@dense"}, "config.stage_launcher(): only a training stage without its own `launcher:` "
                                  "launches with it (sft and second have their own here)"),
     "training": (set(), "fit.checked_plan only refuses a stage that does not fit or logs the plan to MLflow"),
@@ -81,6 +83,8 @@ OVERREACH = {
     "data.chat": ({"sft", *GRPO, "evaluate"}, "they list `data` whole: data.env + data.options alone would be a "
                                               "missing params key for an environment without options; prepare's "
                                               "rows change with it anyway"),
+    "data.tool_limits": ({"prepare"}, "prepare lists `data` whole too (data.options may be absent); it writes the "
+                                      "same rows, so nothing after it reruns for that"),
     "launcher": ({"sft", "grpo@second"}, "DVC cannot list `launcher` only where a stage has no launcher of its own"),
     "grpo.<g>": ({"evaluate"}, "evaluate reads each stage's name and channels; no params key says grpo.*.rewards, "
                                "so it lists `grpo`; the change reruns grpo@<g>, whose model it reads"),
@@ -99,7 +103,7 @@ CHANGES = {
     "model.tiny.max_positions": 128,
     "data.env": "arithmetic", "data.options.verifier": "exact", "data.options.tolerance": 0.01,
     "data.options.answer_pattern": "<answer>(.*?)</answer>", "data.options.train": "custom/more.jsonl",
-    "data.chat": True,
+    "data.chat": True, "data.tool_limits.seconds": 2.0, "data.tool_limits.max_chars": 500,
     **{f"{section}.{key}": value for section in ("launcher", "sft.launcher", "grpo.second.launcher")
        for key, value in LAUNCHER.items()},
     "training.gpu": "A100-80GB", "training.num_gpus": 2,

@@ -1,7 +1,8 @@
 """RL environments: a prompt source + an answer parser + a verifier.
 
 `data.env` names one of three kinds (posttrain.envs.base documents the protocol):
-- a built-in: `arithmetic`, `sql`, `dataset` (your own files and a verifier) (ENVIRONMENTS);
+- a built-in: `arithmetic`, `sql`, `dataset` (your own files and a verifier), and the tool
+  environment `calculator` (posttrain.envs.tools) (ENVIRONMENTS);
 - an entry point an installed package registers in the group `posttrain.envs`;
 - an import path `package.module:factory` (a class or a function), resolved with the
   workspace first on the path: a workspace's own environments live in `custom/`.
@@ -16,12 +17,14 @@ from pydantic import BaseModel
 
 from posttrain.envs.arithmetic import ArithmeticEnv
 from posttrain.envs.base import EnvOptions, Environment, missing_methods
+from posttrain.envs.calculator import CalculatorEnv
 from posttrain.envs.dataset import DatasetEnv
 from posttrain.envs.sql import SQLEnv
 from posttrain.plugins import PluginError, lookup
 from posttrain.yamlfile import show
 
-ENVIRONMENTS: dict[str, type] = {"arithmetic": ArithmeticEnv, "sql": SQLEnv, "dataset": DatasetEnv}
+ENVIRONMENTS: dict[str, type] = {"arithmetic": ArithmeticEnv, "sql": SQLEnv, "dataset": DatasetEnv,
+                                 "calculator": CalculatorEnv}
 ENTRY_POINT_GROUP = "posttrain.envs"
 
 

@@ -92,7 +92,9 @@ class CalculatorEpisode:
 
 class CalculatorOptions(EnvOptions):
     """`data.options` of the calculator environment."""
-    heldout_size: int = Field(200, ge=1, le=2000, description="Problems held out for evaluation; the rest train.")
+    heldout_size: int = Field(200, ge=1, le=2000, description="Problems held out for evaluation.")
+    train_size: int = Field(4000, ge=1, le=20000, description="Problems to train on (of the ~23,000 the others "
+                                                              "leave), drawn by the seed.")
     system: str | None = Field("Use the calc tool for arithmetic, then reply with the number only.",
                                max_length=2000, description="System prompt (before the tools' descriptions).")
     max_turns: int = Field(3, ge=1, le=20, description="Tool-calling rounds an episode may take.")
@@ -103,15 +105,16 @@ class CalculatorEnv:
     Options = CalculatorOptions
     episode = CalculatorEpisode
 
-    def __init__(self, heldout_size: int = 200, system: str | None = CalculatorOptions().system, max_turns: int = 3):
-        self.heldout_size, self.system, self.max_turns = heldout_size, system, max_turns
+    def __init__(self, heldout_size: int = 200, train_size: int = 4000,
+                 system: str | None = CalculatorOptions().system, max_turns: int = 3):
+        self.heldout_size, self.train_size, self.system, self.max_turns = heldout_size, train_size, system, max_turns
 
     def generate(self, seed: int) -> dict[str, list[dict]]:
         rows = [self.row(question, expression, a, b)
                 for question, expression, a_range, b_range in PROBLEMS for a in a_range for b in b_range]
         rng = random.Random(seed)
         rng.shuffle(rows)
-        return {"train": rows[self.heldout_size:], "heldout": rows[:self.heldout_size]}
+        return {"train": rows[self.heldout_size:self.heldout_size + self.train_size], "heldout": rows[:self.heldout_size]}
 
     @staticmethod
     def row(question: str, expression: str, a: int, b: int) -> dict:

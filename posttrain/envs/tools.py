@@ -168,3 +168,18 @@ def call_with_limit(function, args, kwargs, seconds: float):
     if "error" in box:
         raise box["error"]
     return box["result"]
+
+
+def tool_schemas(factory) -> list[dict]:
+    """The JSON schemas the chat template shows the model for the episode's tools (the
+    same TRL renders from the instance's methods)."""
+    from transformers.utils import get_json_schema
+
+    cls = episode_class(factory)
+    return [get_json_schema(getattr(cls, name)) for name in tool_names(cls)]
+
+
+def tool_limits(config) -> ToolLimits:
+    """The config's limits on one tool call (`data.tool_limits`), the defaults without it."""
+    section = getattr(config.data, "tool_limits", None)
+    return ToolLimits(**section.model_dump()) if section is not None else ToolLimits()

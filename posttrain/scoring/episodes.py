@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 
 from posttrain.chat import conversation
-from posttrain.envs.tools import guard, tool_names
+from posttrain.envs.tools import ToolLimits, guard, tool_names
 
 
 @dataclass
@@ -113,12 +113,13 @@ def run_call(episode: Episode, call: dict) -> dict:
 
 
 def run_episodes(model, tokenizer, env, rows: list[dict], *, n: int, temperature: float, max_tokens: int,
-                 seed: int, system: str | None = None, batch_size: int = 64) -> list[list[Episode]]:
+                 seed: int, system: str | None = None, batch_size: int = 64, limits=None) -> list[list[Episode]]:
     """`n` episodes per row (temperature 0: greedy, n must be 1), every round of replies
-    generated in batches across the episodes still running."""
+    generated in batches across the episodes still running; each tool call under `limits`
+    (posttrain.envs.tools.ToolLimits)."""
     import torch
 
-    factory = guard(env.episode)
+    factory = guard(env.episode, limits or ToolLimits())
     max_turns = getattr(env, "max_turns", 8)
     system = system if system is not None else getattr(env, "system", None)
     torch.manual_seed(seed)
@@ -203,11 +204,11 @@ def example_arguments(tool) -> dict:
             for name in inspect.signature(tool).parameters if name != "self"}
 
 
-def dry_episode(tokenizer, env, row: dict, *, max_tokens: int = 4096) -> Episode:
+def dry_episode(tokenizer, env, row: dict, *, max_tokens: int = 4096, limits=None) -> Episode:
     """One episode of `row` with the scripted policy, through the same steps as a
     model's: renders every turn, parses each reply back, runs the guarded tools.
     ValueError when a reply the policy wrote does not parse back to its own calls."""
-    factory = guard(env.episode)
+    factory = guard(env.episode, limits or ToolLimits())
     episode = start(factory, row, getattr(env, "system", None))
     max_turns = getattr(env, "max_turns", 8)
     for step in range(max_turns + 1):
@@ -227,3 +228,50 @@ def dry_episode(tokenizer, env, row: dict, *, max_tokens: int = 4096) -> Episode
 
 def _names(message: dict) -> list[tuple[str, dict]]:
     return [(c["function"]["name"], c["function"].get("arguments")) for c in message.get("tool_calls") or []]
+
+
+def sample_episodes(models: dict[str, str], env, rows: list[dict], *, n: int, temperature: float, max_tokens: int,
+                    seed: int, limits=None) -> tuple[dict[str, tuple[list[str], list[list[str]]]], dict[str, list]]:
+    """Each model's greedy episode and `n` sampled episodes per row, as `sample_models`
+    gives completions (the last replies, which the verifier reads), and the greedy
+    episodes themselves (model name -> [Episode])."""
+    from posttrain.chat import tool_ready
+    from posttrain.scoring.generation import load_policy
+
+    completions, greedy_episodes = {}, {}
+    for name, model_dir in models.items():
+        model, tokenizer = load_policy(model_dir)
+        tool_ready(tokenizer)
+        greedy = [g[0] for g in run_episodes(model, tokenizer, env, rows, n=1, temperature=0.0, max_tokens=max_tokens,
+                                             seed=seed, limits=limits)]
+        sampled = run_episodes(model, tokenizer, env, rows, n=n, temperature=temperature, max_tokens=max_tokens,
+                               seed=seed, limits=limits) if n else [[] for _ in rows]
+        completions[name] = ([e.final for e in greedy], [[e.final for e in group] for group in sampled])
+        greedy_episodes[name] = greedy
+    return completions, greedy_episodes
+
+
+def episode_figures(episodes: list[Episode]) -> dict[str, float]:
+    """What the episodes cost, per episode on average: replies (`turns`), tool calls,
+    failed calls, tokens after the prompt, and the share a cap cut short."""
+    count = max(1, len(episodes))
+    return {"turns": sum(e.turns for e in episodes) / count,
+            "tool_calls": sum(e.tool_calls for e in episodes) / count,
+            "tool_errors": sum(e.tool_errors for e in episodes) / count,
+            "tokens": sum(e.tokens for e in episodes) / count,
+            "truncated_rate": sum(e.truncated for e in episodes) / count}
+
+
+def episode_table(episodes: list[Episode], rows: list[dict], verdicts: list[bool]) -> dict[str, list]:
+    """The episodes as a readable table (mlflow.log_table): the question, the episode
+    turn by turn as the model saw it, the last reply, the verdict and the counts."""
+    def shown(message: dict) -> str:
+        calls = "".join(f" -> {c['function']['name']}({json.dumps(c['function'].get('arguments'))})"
+                        for c in message.get("tool_calls") or [])
+        return f"[{message['role']}] {message.get('content') or ''}{calls}"
+
+    return {"question": [r["messages"][-1]["content"] if "messages" in r else r["prompt"] for r in rows],
+            "episode": ["\n".join(shown(m) for m in e.messages[1:]) for e in episodes],
+            "final": [e.final for e in episodes], "answer": [r["answer"] for r in rows], "correct": verdicts,
+            "turns": [e.turns for e in episodes], "tool_calls": [e.tool_calls for e in episodes],
+            "tool_errors": [e.tool_errors for e in episodes], "tokens": [e.tokens for e in episodes]}

@@ -10,6 +10,8 @@ import importlib.util
 
 from posttrain.scoring import stats
 from posttrain.chat import reward_columns
+from posttrain.envs.tools import is_tool_env
+from posttrain.scoring.episodes import episode_figures, sample_episodes
 from posttrain.scoring.generation import generate, load_policy
 from posttrain.scoring.metrics import mean_pass_at_k
 
@@ -123,8 +125,15 @@ def outcomes(samples: list[dict], n: int) -> dict:
 
 def evaluate_model(model_dir: str, env, rows: list[dict], *, n_samples: int, temperature: float,
                    ks: list[int], max_new_tokens: int, seed: int, resamples: int, backend: str = "transformers",
-                   channels: dict | None = None) -> tuple[dict, list[dict]]:
-    """One model's held-out evaluation (see `score`)."""
+                   channels: dict | None = None, limits=None) -> tuple[dict, list[dict]]:
+    """One model's held-out evaluation (see `score`); of a tool environment's episodes,
+    with what they cost (`episodes`: posttrain.scoring.episodes.episode_figures)."""
+    if is_tool_env(env):
+        completions, episodes = sample_episodes({"model": model_dir}, env, rows, n=n_samples, temperature=temperature,
+                                                max_tokens=max_new_tokens, seed=seed, limits=limits)
+        (greedy, sampled), = completions.values()
+        result, samples = score(env, rows, greedy, sampled, ks=ks, channels=channels, resamples=resamples, seed=seed)
+        return {**result, "episodes": episode_figures(episodes["model"])}, samples
     (greedy, sampled), = sample_models({"model": model_dir}, [r["prompt"] for r in rows], backend=backend,
                                        n=n_samples, temperature=temperature, max_new_tokens=max_new_tokens,
                                        seed=seed).values()
@@ -132,8 +141,14 @@ def evaluate_model(model_dir: str, env, rows: list[dict], *, n_samples: int, tem
 
 
 def pass_rates(model_dir: str, env, rows: list[dict], *, samples: int, temperature: float,
-               max_new_tokens: int, seed: int) -> list[float]:
-    """Each prompt's estimated pass rate: the share of `samples` sampled completions correct."""
+               max_new_tokens: int, seed: int, limits=None) -> list[float]:
+    """Each prompt's estimated pass rate: the share of `samples` sampled completions (a
+    tool environment's: episodes) correct."""
+    if is_tool_env(env):
+        completions, _ = sample_episodes({"model": model_dir}, env, rows, n=samples, temperature=temperature,
+                                         max_tokens=max_new_tokens, seed=seed, limits=limits)
+        (_, sampled), = completions.values()
+        return [sum(env.verify(c, r["answer"]) for c in outs) / samples for outs, r in zip(sampled, rows)]
     model, tokenizer = load_policy(model_dir)
     sampled = generate(model, tokenizer, [r["prompt"] for r in rows], n=samples, temperature=temperature,
                        max_new_tokens=max_new_tokens, seed=seed)

@@ -18,6 +18,8 @@ import mlflow
 
 from posttrain import stageid
 from posttrain.envs import get_env
+from posttrain.envs.tools import is_tool_env, tool_limits
+from posttrain.scoring.episodes import episode_figures, episode_table, sample_episodes
 from posttrain.scoring.evaluation import (known_greedy, outcomes, report_timeouts, resolve_backend, sample_models, score,
                                   timeout_counts)
 from posttrain.files import read_jsonl, write_json
@@ -37,10 +39,18 @@ def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_
         backend = resolve_backend(settings.backend)
         models, prompts = model_dirs(config, models_dir), [r["prompt"] for r in rows]
         reused = known_greedy(gate_evaluations(models), prompts, settings.max_new_tokens)
+        episodes = {}
         with compute("sampling"):
-            completions = sample_models(models, prompts, backend=backend, n=settings.n_samples,
-                                        temperature=settings.temperature, max_new_tokens=settings.max_new_tokens,
-                                        seed=config.seed, greedy_known=reused)
+            if is_tool_env(env):  # whole episodes, run by posttrain on transformers (posttrain.scoring.episodes)
+                backend, reused = "transformers", {}
+                completions, episodes = sample_episodes(models, env, rows, n=settings.n_samples,
+                                                        temperature=settings.temperature,
+                                                        max_tokens=settings.max_new_tokens, seed=config.seed,
+                                                        limits=tool_limits(config))
+            else:
+                completions = sample_models(models, prompts, backend=backend, n=settings.n_samples,
+                                            temperature=settings.temperature, max_new_tokens=settings.max_new_tokens,
+                                            seed=config.seed, greedy_known=reused)
         channels = {curve_name(name): reward_channel(name).make(env) for name in reward_channels(config)}
         report, per_prompt = {}, {}
         for name, (greedy, sampled) in completions.items():
@@ -52,6 +62,10 @@ def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_
             per_prompt[name] = outcomes(samples, settings.n_samples)
             mlflow.log_table({key: [s[key] for s in samples] for key in samples[0]},
                              artifact_file=f"samples/{name}.json")
+            if name in episodes:  # turns, tool calls and errors; the greedy episodes as the model saw them
+                report[name]["episodes"] = episode_figures(episodes[name])
+                mlflow.log_table(episode_table(episodes[name], rows, [s["correct"] for s in samples]),
+                                 artifact_file=f"episodes/{name}.json")
         curves = dict(report)
         final = stageid.final(config).field  # "grpo": the pipeline's result
         report["grpo"], per_prompt["grpo"] = report[final], per_prompt[final]

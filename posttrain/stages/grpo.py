@@ -17,9 +17,10 @@ import mlflow
 from posttrain.training import checkpoints
 from posttrain.capacity import fit
 from posttrain.runtime import launch
-from posttrain.chat import grpo_rows
+from posttrain.chat import grpo_rows, tool_ready
 from posttrain.training.trl_bridge import build_trl_config, grpo_trl_options
 from posttrain.envs import get_env
+from posttrain.envs.tools import guard, is_tool_env, tool_limits
 from posttrain.scoring.evaluation import add_timeout_counts, pass_rates, report_timeouts
 from posttrain.files import read_jsonl, write_json
 from posttrain.layout import PARAMS_FILE, read_card, write_card
@@ -92,7 +93,7 @@ def filter_prompts(config, stage, env, init_dir: str, rows: list[dict]) -> tuple
     temperature = band.temperature or stage.trl.get("temperature", 1.0)
     rates = pass_rates(init_dir, env, rows, samples=band.samples, temperature=temperature,
                        max_new_tokens=stage.trl.get("max_completion_length", config.evaluate.max_new_tokens),
-                       seed=config.seed)
+                       seed=config.seed, limits=tool_limits(config))
     keep = [band.min_pass_rate < p < band.max_pass_rate for p in rates]
     if not any(keep):
         keep = [True] * len(rows)  # nothing inside the band: training on everything beats training on nothing
@@ -116,12 +117,18 @@ def train_job(config, job: dict) -> dict:
     env = get_env(config.data.env, **config.data.options)
     funcs, _ = build_rewards(env, stage.rewards, stage.guardrails)
     field = StageId.grpo(name).field
-    args = build_trl_config(f"{field}.trl", GRPOConfig, {"seed": config.seed, **grpo_trl_options(stage)},
-                            output_dir=run_dir, report_to=[], run_name=name)
+    options = {"seed": config.seed, **grpo_trl_options(stage)}
+    if is_tool_env(env):
+        options = {"max_tool_calling_iterations": getattr(env, "max_turns", None), **options}
+    args = build_trl_config(f"{field}.trl", GRPOConfig, options, output_dir=run_dir, report_to=[], run_name=name)
     dataset = Dataset.from_list(grpo_rows(job["rows"]))
+    tokenizer, episodes = AutoTokenizer.from_pretrained(init_dir), {}
+    if is_tool_env(env):  # TRL runs the episodes: one guarded instance per rollout
+        tool_ready(tokenizer)
+        episodes = {"environment_factory": guard(env.episode, tool_limits(config))}
     trainer = GRPOTrainer(model=init_dir, reward_funcs=funcs, args=args, train_dataset=dataset,
-                          processing_class=AutoTokenizer.from_pretrained(init_dir),
-                          peft_config=lora_config(f"{field}.peft", stage.peft))
+                          processing_class=tokenizer, peft_config=lora_config(f"{field}.peft", stage.peft),
+                          **episodes)
     counts = freeze(trainer.model, stage.trainable, f"{field}.trainable") if stage.trainable else {}
     log_to_mlflow(trainer)
     seconds, resumed = train(trainer, run_dir)

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import mlflow
 
-from posttrain.chat import load_tokenizer, render
+from posttrain.chat import load_tokenizer, render, tool_ready
 from posttrain.envs import get_env
+from posttrain.envs.tools import is_tool_env, tool_schemas
 from posttrain.files import write_json, write_jsonl
 from posttrain.ingest import extra_rows
 from posttrain.layout import BASE_POINTER
@@ -47,7 +48,13 @@ def main(config, *, data_dir: str, datasets_dir: str, model_dir: str, metrics_pa
 
 def chat_splits(config, env, splits: dict[str, list[dict]]) -> dict[str, list[dict]]:
     tokenizer = load_tokenizer(str(Path(config.model.path).resolve()))
-    return {name: render(rows, tokenizer, getattr(env, "system", None)) for name, rows in splits.items()}
+    tools = None
+    if is_tool_env(env):  # the prompt as the episode starts: the tools' signatures in the system turn
+        note = tool_ready(tokenizer)
+        if note:
+            print(note, flush=True)
+        tools = tool_schemas(env.episode)
+    return {name: render(rows, tokenizer, getattr(env, "system", None), tools) for name, rows in splits.items()}
 
 
 def add_rows(splits: dict[str, list[dict]], rows: list[dict]) -> int:

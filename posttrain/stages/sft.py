@@ -19,9 +19,10 @@ import mlflow
 from posttrain.training import checkpoints
 from posttrain.capacity import fit
 from posttrain.runtime import launch
-from posttrain.chat import sft_rows
+from posttrain.chat import sft_rows, tool_ready
 from posttrain.training.trl_bridge import build_trl_config
 from posttrain.envs import get_env
+from posttrain.envs.tools import is_tool_env, tool_schemas
 from posttrain.scoring.evaluation import add_timeout_counts, check_format_contract, report_timeouts
 from posttrain.files import read_jsonl, write_json
 from posttrain.layout import PARAMS_FILE, resolve_model_dir, write_card
@@ -87,18 +88,22 @@ def train_job(config, job: dict) -> dict:
     from trl import SFTConfig, SFTTrainer
 
     base, run_dir = job["base"], job["run_dir"]
-    dataset = Dataset.from_list(sft_rows(job["rows"]))
-    args = build_trl_config("sft.trl", SFTConfig, {"seed": config.seed, **config.sft.trl},
-                            output_dir=run_dir, report_to=[], run_name="sft")
-    trainer = SFTTrainer(model=base, args=args, train_dataset=dataset,
-                         processing_class=AutoTokenizer.from_pretrained(base),
+    env = get_env(config.data.env, **config.data.options)
+    tokenizer, options = AutoTokenizer.from_pretrained(base), {"seed": config.seed, **config.sft.trl}
+    tools = None
+    if is_tool_env(env):  # the gold episodes, the tool results masked out of the loss
+        tool_ready(tokenizer)
+        tools, options = tool_schemas(env.episode), {"assistant_only_loss": True, **options}
+    dataset = Dataset.from_list(sft_rows(job["rows"], tools))
+    args = build_trl_config("sft.trl", SFTConfig, options, output_dir=run_dir, report_to=[], run_name="sft")
+    trainer = SFTTrainer(model=base, args=args, train_dataset=dataset, processing_class=tokenizer,
                          peft_config=lora_config("sft.peft", config.sft.peft))
     counts = freeze(trainer.model, config.sft.trainable, "sft.trainable") if config.sft.trainable else {}
     log_to_mlflow(trainer)
     stop, stopper = config.sft.stop_when, None
     if stop is not None:
         # Trainer.log, not SFTTrainer.log: TRL's override would take the token-accuracy averages it logs next
-        stopper = StopOnTarget(get_env(config.data.env, **config.data.options), job["validation"],
+        stopper = StopOnTarget(env, job["validation"],
                                target=stop.greedy_accuracy, every_steps=stop.every_steps,
                                max_new_tokens=config.evaluate.max_new_tokens, log=functools.partial(Trainer.log, trainer))
         trainer.add_callback(stopper)

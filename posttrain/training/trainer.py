@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from posttrain.envs.tools import tool_limits
 from posttrain.runtime import launch
 from posttrain.scoring.evaluation import evaluate_model, outcomes
 from posttrain.files import read_jsonl
@@ -124,7 +125,7 @@ def gate_evaluation(model_dir: str, env, config, data_dir: str) -> dict:
     rows = read_jsonl(Path(data_dir) / "heldout.jsonl")[:gate.max_prompts]
     result, samples = evaluate_model(model_dir, env, rows, n_samples=gate.n_samples, temperature=gate.temperature,
                                      ks=[gate.k], max_new_tokens=config.evaluate.max_new_tokens, seed=config.seed,
-                                     resamples=config.stats.bootstrap_resamples)
+                                     resamples=config.stats.bootstrap_resamples, limits=tool_limits(config))
     return {**result, "outcomes": outcomes(samples, gate.n_samples),
             "greedy": {"max_new_tokens": config.evaluate.max_new_tokens, "completions": [s["completion"] for s in samples]}}
 
