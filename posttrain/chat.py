@@ -63,7 +63,7 @@ def sft_rows(rows: list[dict], tools: list[dict] | None = None) -> list[dict]:
     for `assistant_only_loss` (the template's generation markers: tool results get no loss)."""
     if tools is not None:
         listed = json.dumps(tools)
-        return [{"messages": r["messages"] + [_arguments_as_text(m) for m in r["trace"]], "tools": listed}
+        return [{"messages": r["messages"] + [_arguments_as_text(m) for m in gold_episode(r)], "tools": listed}
                 for r in rows]
     if rows and "messages" in rows[0]:
         # an assistant turn's content, without the space a plain-text target needs after its prompt
@@ -89,6 +89,12 @@ def completion_texts(completions: list) -> list[str]:
     of an episode (replies, tool results) the text is its last reply: never a tool's
     result, which an episode cut short after a call would otherwise end with."""
     return [_last_reply(c) if isinstance(c, list) else c for c in completions]
+
+
+def gold_episode(row: dict) -> list[dict]:
+    """The turns after the question that SFT trains on: the row's `trace` (calls, results,
+    answer) when the environment wrote one, else the answer alone."""
+    return row.get("trace") or [{"role": "assistant", "content": row["completion"].strip()}]
 
 
 def _last_reply(messages: list) -> str:

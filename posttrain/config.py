@@ -70,6 +70,11 @@ class DataSection(Section):
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword options of the environment.")
     chat: bool = Field(False, description="Conversational prompts: the model's chat template (its tokenizer's) "
                                           "wraps each prompt, with the environment's system prompt; needs model.path.")
+    episode: str | None = Field(None, max_length=200, description="Makes the environment a tool environment: "
+                                "an episode class in the shape TRL's environment_factory takes (reset(**row), "
+                                "typed tools with an Args: docstring, optional get_reward), by import path "
+                                "(custom.mytools:MyEnv); each row an episode, `verify` on its last reply the "
+                                "verdict. null: the environment's own (calculator has one).")
     tool_limits: ToolLimitsSection = Field(ToolLimitsSection(), description="A tool environment's limits on each "
                                            "tool call (time, reply size).")
 

@@ -166,9 +166,9 @@ def validate(workdir: str | Path, env, heldout: set[str]) -> dict[Path, list[dic
 
 def env_and_heldout(config):
     """The config's environment and its held-out prompts (which new data must not hold)."""
-    from posttrain.envs import get_env
+    from posttrain.envs import config_env
 
-    env = get_env(config.data.env, **config.data.options)
+    env = config_env(config.data)
     return env, heldout_prompts(env.generate(config.seed))
 
 

@@ -83,13 +83,21 @@ def launchers(path: Path, config: PipelineConfig, *, here: bool) -> None:
 def _built_env(path: Path, config: PipelineConfig) -> tuple[Any, dict[str, list[dict]]]:
     """The environment, its options checked against its own schema, and its splits (the
     data the other checks measure)."""
-    from posttrain.envs import env_factory, get_env, options_schema
+    from posttrain.envs import config_env, env_factory, options_schema
     from posttrain.plugins import PluginError, check_custom, plugin_failures, workspace_root
 
     check_custom(workspace_root())  # where import paths find the user's code: before any of it is read
+    if config.data.episode is not None:  # a TRL environment class: found before the rows are built
+        from posttrain.plugins import lookup
+
+        try:
+            with plugin_failures(config.data.episode):
+                lookup(config.data.episode, {}, "episode class", "package.module:Class (e.g. custom.mytools:MyEnv)")
+        except PluginError as err:
+            raise UserError(f"{path}: data.episode", err.problem, err.fix) from None
     try:
         with plugin_failures(config.data.env):  # what the user's environment raises: one line, its own frame
-            env = get_env(config.data.env, **config.data.options)
+            env = config_env(config.data)
             splits = env.generate(config.seed)  # new data only adds to the training split
     except ValidationError as err:
         schema = options_schema(env_factory(config.data.env))
@@ -162,11 +170,11 @@ def prompt_chars(config: PipelineConfig, env=None, rows: dict[str, list[dict]] |
     `data.chat` (an upper bound of its tokens); the environment's splits are generated
     when not given."""
     if env is None:
-        from posttrain.envs import get_env
+        from posttrain.envs import config_env
         from posttrain.plugins import plugin_refusal
 
         with plugin_refusal("data.env", config.data.env):  # the user's environment: one line if it raises
-            env = get_env(config.data.env, **config.data.options)
+            env = config_env(config.data)
             rows = env.generate(config.seed)
     chat = check_chat() if check_chat else config.data.chat
     if chat:  # the prompt as generation sees it (a tool environment's with its tools' signatures)

@@ -56,6 +56,9 @@ READS = {
                                         "grpo's rewards and filter, evaluate's scores"),
     "data.options": ({"prepare", *SCORERS}, "the same get_env call: generate, verify, the answer patterns"),
     "data.chat": ({"prepare"}, "prepare wraps the rows in the chat template; the others read those rows (a dep)"),
+    "data.episode": ({"prepare", *SCORERS}, "config_env attaches it: prepare's prompts (the tools' schemas), "
+                                           "sft's traces, grpo's environment_factory, the gates' and evaluate's "
+                                           "episodes"),
     "data.tool_limits": ({"sft", *GRPO, "evaluate"}, "a tool environment's limits on each tool call: the gates' "
                                                     "and evaluate's episodes, grpo's filter and training"),
     "launcher": ({"grpo@dense"}, "config.stage_launcher(): only a training stage without its own `launcher:` "
@@ -103,7 +106,7 @@ CHANGES = {
     "model.tiny.max_positions": 128,
     "data.env": "arithmetic", "data.options.verifier": "exact", "data.options.tolerance": 0.01,
     "data.options.answer_pattern": "<answer>(.*?)</answer>", "data.options.train": "custom/more.jsonl",
-    "data.chat": True, "data.tool_limits.seconds": 2.0, "data.tool_limits.max_chars": 500,
+    "data.chat": True, "data.episode": "custom.tools:Episode", "data.tool_limits.seconds": 2.0, "data.tool_limits.max_chars": 500,
     **{f"{section}.{key}": value for section in ("launcher", "sft.launcher", "grpo.second.launcher")
        for key, value in LAUNCHER.items()},
     "training.gpu": "A100-80GB", "training.num_gpus": 2,

@@ -73,11 +73,21 @@ def get_env(name: str, **options) -> Environment:
     return env
 
 
+def config_env(data) -> Environment:
+    """The environment the config's `data` section names, built with its options; with
+    `data.episode`, a tool environment whose episodes are that class's (a TRL environment,
+    by import path: posttrain.envs.tools). The one way the stages build it."""
+    env = get_env(data.env, **data.options)
+    if getattr(data, "episode", None):
+        env.episode = lookup(data.episode, {}, "episode class", "package.module:Class (e.g. custom.mytools:MyEnv)")
+    return env
+
+
 def _about_arguments(err: TypeError) -> bool:
     """Whether the factory (or what it hands its options to) refused the arguments, as
     opposed to a TypeError of its own code (`None + 1`)."""
     return err.__traceback__.tb_next is None or "argument" in str(err)
 
 
-__all__ = ["ENTRY_POINT_GROUP", "ENVIRONMENTS", "EnvOptions", "Environment", "env_factory", "get_env",
+__all__ = ["ENTRY_POINT_GROUP", "ENVIRONMENTS", "EnvOptions", "Environment", "config_env", "env_factory", "get_env",
            "options_schema"]

@@ -93,8 +93,8 @@ def guard(factory, limits: ToolLimits = ToolLimits()):
         namespace[name] = _guarded_tool(getattr(cls, name), name)
     if callable(getattr(cls, "get_reward", None)):
         namespace["get_reward"] = _get_reward
-    guarded = type(f"Guarded{cls.__name__}", (), namespace)
-    return guarded
+    # the user's class name: TRL names the get_reward channel after it
+    return type(cls.__name__, (), {**namespace, "__qualname__": f"guarded {cls.__qualname__}"})
 
 
 def _init(self):

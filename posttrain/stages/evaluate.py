@@ -17,7 +17,7 @@ from pathlib import Path
 import mlflow
 
 from posttrain import stageid
-from posttrain.envs import get_env
+from posttrain.envs import config_env
 from posttrain.envs.tools import is_tool_env, tool_limits
 from posttrain.scoring.episodes import episode_figures, episode_table, sample_episodes
 from posttrain.scoring.evaluation import (known_greedy, outcomes, report_timeouts, resolve_backend, sample_models, score,
@@ -34,7 +34,7 @@ def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_
     settings = config.evaluate
     with stage_run(config, "evaluate"):
         log_datasets({f"{data_dir}/heldout.jsonl": "evaluation"})
-        env = get_env(config.data.env, **config.data.options)
+        env = config_env(config.data)
         rows = read_jsonl(Path(data_dir) / "heldout.jsonl")[:settings.max_prompts]
         backend = resolve_backend(settings.backend)
         models, prompts = model_dirs(config, models_dir), [r["prompt"] for r in rows]

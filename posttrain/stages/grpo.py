@@ -19,7 +19,7 @@ from posttrain.capacity import fit
 from posttrain.runtime import launch
 from posttrain.chat import grpo_rows, tool_ready
 from posttrain.training.trl_bridge import build_trl_config, grpo_trl_options
-from posttrain.envs import get_env
+from posttrain.envs import config_env
 from posttrain.envs.tools import guard, is_tool_env, tool_limits
 from posttrain.scoring.evaluation import add_timeout_counts, pass_rates, report_timeouts
 from posttrain.files import read_jsonl, write_json
@@ -42,7 +42,7 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
     with stage_run(config, stage_id.dvc):
         fit.log_plan(memory)
         log_datasets({f"{data_dir}/train.jsonl": "training", f"{data_dir}/heldout.jsonl": "evaluation"})
-        env = get_env(config.data.env, **config.data.options)
+        env = config_env(config.data)
         previous = read_card(init_dir)
         if not previous:
             with compute("gate"):
@@ -114,7 +114,7 @@ def train_job(config, job: dict) -> dict:
 
     name, init_dir, run_dir = job["name"], job["init_dir"], job["run_dir"]
     stage = config.grpo[name]
-    env = get_env(config.data.env, **config.data.options)
+    env = config_env(config.data)
     funcs, _ = build_rewards(env, stage.rewards, stage.guardrails)
     field = StageId.grpo(name).field
     options = {"seed": config.seed, **grpo_trl_options(stage)}

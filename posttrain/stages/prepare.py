@@ -13,7 +13,7 @@ from pathlib import Path
 import mlflow
 
 from posttrain.chat import load_tokenizer, render, tool_ready
-from posttrain.envs import get_env
+from posttrain.envs import config_env
 from posttrain.envs.tools import is_tool_env, tool_schemas
 from posttrain.files import write_json, write_jsonl
 from posttrain.ingest import extra_rows
@@ -27,7 +27,7 @@ def main(config, *, data_dir: str, datasets_dir: str, model_dir: str, metrics_pa
     with stage_run(config, "prepare"):
         log_datasets(workspace_datasets(".", data_dir="", datasets_dir=datasets_dir))  # the versioned batches
         with compute("data"):
-            env = get_env(config.data.env, **config.data.options)
+            env = config_env(config.data)
             splits = env.generate(config.seed)
             added = add_rows(splits, extra_rows(datasets_dir))
         with compute("model"):

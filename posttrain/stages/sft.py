@@ -21,7 +21,7 @@ from posttrain.capacity import fit
 from posttrain.runtime import launch
 from posttrain.chat import sft_rows, tool_ready
 from posttrain.training.trl_bridge import build_trl_config
-from posttrain.envs import get_env
+from posttrain.envs import config_env
 from posttrain.envs.tools import is_tool_env, tool_schemas
 from posttrain.scoring.evaluation import add_timeout_counts, check_format_contract, report_timeouts
 from posttrain.files import read_jsonl, write_json
@@ -35,7 +35,7 @@ from posttrain.training.trainer import gate_evaluation, gate_figures, log_to_mlf
 
 def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: str,
          metrics_path: str, curve_path: str, config_path: str = PARAMS_FILE) -> dict[str, float]:
-    env = get_env(config.data.env, **config.data.options)
+    env = config_env(config.data)
     train_path = Path(data_dir) / "train.jsonl"
     rows = read_jsonl(train_path)
     contract = check_format_contract(env, rows, where=str(train_path))  # before any run or compute
@@ -88,7 +88,7 @@ def train_job(config, job: dict) -> dict:
     from trl import SFTConfig, SFTTrainer
 
     base, run_dir = job["base"], job["run_dir"]
-    env = get_env(config.data.env, **config.data.options)
+    env = config_env(config.data)
     tokenizer, options = AutoTokenizer.from_pretrained(base), {"seed": config.seed, **config.sft.trl}
     tools = None
     if is_tool_env(env):  # the gold episodes, the tool results masked out of the loss
