@@ -130,3 +130,16 @@ def flow_runs(tmp_path_factory):
     mlflow.set_tracking_uri(f"sqlite:///{ws / 'mlflow.db'}")
     runs = mlflow.search_runs(search_all_experiments=True, order_by=["start_time ASC"])
     return ws, first, second, runs, third
+
+
+def check_and_run(project: Path, name: str, config: dict) -> Path:
+    """`config` written to project/configs/<name>.yaml, then `posttrain check` and `posttrain
+    run` on it in project; the workspace (project/ws)."""
+
+    path = project / "configs" / f"{name}.yaml"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    sh("posttrain", "check", "--config", path, cwd=project)
+    ws = project / "ws"
+    sh("posttrain", "run", "--config", path, "--workdir", ws, cwd=project, timeout=1500)
+    return ws

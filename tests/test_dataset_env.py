@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from chat_model import build_chat_model
-from conftest import REPO, sh
+from conftest import REPO, check_and_run, sh
 from hardening import assert_nothing_left, assert_refused, cli, state
 from posttrain.envs import get_env
 
@@ -224,12 +224,7 @@ def test_the_pipeline_runs_a_chat_model_with_lora_on_your_files(project):
         "orchestration": {"retries": 0},
         "stats": {"bootstrap_resamples": 200},
     }
-    path = project / "configs" / "chat.yaml"
-    path.parent.mkdir()
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    sh("posttrain", "check", "--config", path, cwd=project)
-    ws = project / "ws"
-    sh("posttrain", "run", "--config", path, "--workdir", ws, cwd=project, timeout=1500)
+    ws = check_and_run(project, "chat", config)
 
     rows = [json.loads(line) for line in (ws / "data" / "train.jsonl").read_text().splitlines()]
     assert rows[0]["prompt"].startswith("<|im_start|>system\nPut the final answer")      # the model's template

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from chat_model import build_chat_model
-from conftest import sh
+from conftest import check_and_run, sh
 from posttrain.chat import TOOL_TEMPLATE
 from posttrain.envs.calculator import CalculatorEnv
 
@@ -219,12 +219,7 @@ def test_a_trl_environment_class_runs_through_the_pipeline_with_no_other_code(tm
                       "options": {"train": "custom/train.jsonl", "heldout": "custom/heldout.jsonl",
                                   "verifier": "numeric", "prompt_field": "question",
                                   "system": "Look the count up, then reply with the number only."}}
-    path = tmp_path / "configs" / "inventory.yaml"
-    path.parent.mkdir()
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    sh("posttrain", "check", "--config", path, cwd=tmp_path)
-    ws = tmp_path / "ws"
-    sh("posttrain", "run", "--config", path, "--workdir", ws, cwd=tmp_path, timeout=1500)
+    ws = check_and_run(tmp_path, "inventory", config)
     log = (ws / "logs" / "grpo@dense.log").read_text()
     assert "'rewards/Inventory/mean'" in log  # TRL's channel of get_reward, named after the class
     report = json.loads((ws / "metrics" / "evaluate.json").read_text())
