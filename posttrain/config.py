@@ -63,8 +63,8 @@ class ToolLimitsSection(Section):
 
 class DataSection(Section):
     env: str = Field("arithmetic", min_length=1, max_length=200,
-                     description="Environment: a built-in (arithmetic, sql, dataset; calculator: a tool "
-                                 "environment), an entry point of the group posttrain.envs, or an import path "
+                     description="Environment: a built-in (arithmetic, sql, dataset; calculator, sql_tools: tool "
+                                 "environments), an entry point of the group posttrain.envs, or an import path "
                                  "package.module:factory (a workspace's own in custom/); posttrain/envs/base.py "
                                  "gives the protocol, posttrain/envs/tools.py a tool environment's.")
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword options of the environment.")

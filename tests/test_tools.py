@@ -242,3 +242,22 @@ def test_model_episodes_stop_within_their_caps(chat_model, tokenizer):
         for episode in group:
             assert episode.done and (episode.tokens <= 40 or episode.truncated)
             assert episode.turns <= env.max_turns + 1
+
+
+def test_sql_tools_queries_read_only_in_the_sandbox_and_its_gold_episode_verifies(tokenizer):
+    from posttrain.envs.sql_tools import SQLToolsEnv
+
+    tool_ready(tokenizer)
+    env = SQLToolsEnv(heldout_size=20)
+    assert tool_problems(env.episode) == []
+    episode = guard(env.episode)()
+    episode.reset()
+    for hostile in ("DELETE FROM emp", "ATTACH DATABASE 'x.db' AS x", "PRAGMA writable_schema=1",
+                    "WITH RECURSIVE r(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM r) SELECT count(*) FROM r"):
+        with pytest.raises(RuntimeError):
+            episode.query(hostile)
+    assert episode.tool_errors == 4
+    assert "more than 20 rows" in episode.query("SELECT * FROM emp")
+    row = env.generate(0)["heldout"][0]
+    done = dry_episode(tokenizer, env, row)
+    assert env.verify(done.final, row["answer"]) and done.tool_calls == 1 and done.tool_errors == 0
