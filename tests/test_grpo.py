@@ -171,3 +171,21 @@ def test_on_reject_stop_passes_the_model_through_later_stages(learned_workspace)
     assert after == {"skipped": 1.0, "accepted": 0.0}
     weights = "model.safetensors"
     assert (ws / "artifacts/models/after" / weights).read_bytes() == (ws / "artifacts/models/sft" / weights).read_bytes()
+
+
+def test_a_stage_the_filter_leaves_too_few_prompts_for_one_step_passes_the_model_on_loudly(learned_workspace):
+    """Seen on SmolLM2's SQL recipe: the warmed-up model solved 99.9% of the sampled prompts,
+    the filter kept 1, a step takes 2, and TRL trained 0 steps while the gate 'accepted'."""
+    import yaml
+
+    ws = learned_workspace
+    config = yaml.safe_load((ws / "configs" / "pipeline.yaml").read_text())
+    config["grpo"]["dense"]["pass_rate_filter"]["max_prompts"] = 1
+    config["grpo"]["dense"]["trl"].update(per_device_train_batch_size=8, num_generations=4)   # 2 prompts a step
+    (ws / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    done = run_repro(ws, "grpo@dense")
+    assert "fewer than the 2 one step takes" in done.stdout
+    dense = json.loads((ws / "metrics" / "grpo" / "dense.json").read_text())
+    assert dense["skipped"] == 1.0 and dense["prompts_kept"] == 1.0 and dense["prompts_per_step"] == 2.0
+    weights = "model.safetensors"
+    assert (ws / "artifacts/models/dense" / weights).read_bytes() == (ws / "artifacts/models/sft" / weights).read_bytes()

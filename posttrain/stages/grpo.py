@@ -48,9 +48,18 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
             with compute("gate"):
                 previous = {"eval": gate_evaluation(init_dir, env, config, data_dir)}
         if previous.get("stopped_at"):
-            return pass_through(init_dir, out_dir, previous, metrics_path, curve_path)
+            return pass_through(init_dir, out_dir, metrics_path, curve_path, f"stopped at {previous['stopped_at']}")
         with compute("filter"):
             rows, metrics = filter_prompts(config, stage, env, init_dir, read_jsonl(Path(data_dir) / "train.jsonl"))
+        needed = prompts_per_step(config, stage, stage_id)
+        if len(rows) < needed:  # TRL's sampler would yield no batch: zero steps, and a gate on an unchanged model
+            reason = (f"the pass-rate filter kept {len(rows)} prompt(s), fewer than the {needed} one step takes (mean "
+                      f"pass rate {metrics.get('pass_rate_mean', 0.0):.3f}): nothing left to learn from; the "
+                      "previous model passes on unchanged")
+            print(f"posttrain: WARNING: stage {name}: {reason}", flush=True)
+            mlflow.set_tag("posttrain.warning.no_prompts", reason)
+            return pass_through(init_dir, out_dir, metrics_path, curve_path, reason,
+                                {**metrics, "prompts_per_step": float(needed)})
         run_dir = checkpoints.run_dir(checkpoint_dir, [config.seed, stage.model_dump(),  # and the launcher, as in sft
                                                        config.stage_launcher(stage_id).model_dump()],
                                       [Path(data_dir), init_dir])
@@ -168,11 +177,28 @@ def record(name, metrics, decision, curve, metrics_path, curve_path) -> None:
     write_json(curve_path, curve)
 
 
-def pass_through(init_dir, out_dir, previous, metrics_path, curve_path) -> dict[str, float]:
-    """An earlier stage was rejected with `on_reject: stop`: output the model unchanged."""
+def prompts_per_step(config, stage, stage_id) -> int:
+    """The distinct prompts one optimizer step samples: per-device batch x processes x
+    nodes x accumulation, over the generations per prompt (TRL's defaults where the
+    stage's `trl:` block is silent)."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    option = lambda key: stage.trl.get(key, defaults[key])  # noqa: E731
+    launcher = config.stage_launcher(stage_id)
+    batch = option("per_device_train_batch_size") * launcher.processes * launcher.nodes
+    return max(1, batch * option("gradient_accumulation_steps") // option("num_generations"))
+
+
+def pass_through(init_dir, out_dir, metrics_path, curve_path, reason: str,
+                 metrics: dict | None = None) -> dict[str, float]:
+    """Output the model unchanged, untrained: an earlier stage was rejected with
+    `on_reject: stop`, or the filter left too few prompts for one step."""
     shutil.copytree(init_dir, out_dir)
-    mlflow.set_tags({"posttrain.scoring.gate": "skipped", "posttrain.gate_reason": f"stopped at {previous['stopped_at']}"})
-    metrics = {"skipped": 1.0, "accepted": 0.0}
+    mlflow.set_tags({"posttrain.scoring.gate": "skipped", "posttrain.gate_reason": reason})
+    metrics = {**(metrics or {}), "skipped": 1.0, "accepted": 0.0}
     write_json(metrics_path, metrics)
     write_json(curve_path, [])
     return metrics
