@@ -261,3 +261,21 @@ def test_sql_tools_queries_read_only_in_the_sandbox_and_its_gold_episode_verifie
     row = env.generate(0)["heldout"][0]
     done = dry_episode(tokenizer, env, row)
     assert env.verify(done.final, row["answer"]) and done.tool_calls == 1 and done.tool_errors == 0
+
+
+def test_episode_channels_read_the_guarded_episodes_calls_and_failures():
+    from posttrain.scoring.rewards import build_rewards
+
+    env = CalculatorEnv()
+    used, failed, idle = (guard(env.episode)() for _ in range(3))
+    for episode in (used, failed, idle):
+        episode.reset()
+    used.calc("2 + 2")
+    failed.calc("3 * 3")
+    with pytest.raises(RuntimeError):
+        failed.calc("open('x')")
+    funcs, _ = build_rewards(env, {"tool_use": 1.0, "tool_errors": 1.0})
+    completions = [[{"role": "assistant", "content": "4"}]] * 3
+    columns = {"answer": ["4", "9", "1"], "environments": [used, failed, idle]}
+    assert funcs[0](completions, **columns) == [1.0, 1.0, 0.0]
+    assert funcs[1](completions, **columns) == [0.0, -0.5, 0.0]

@@ -74,7 +74,7 @@ def _sample_vllm(models, prompts, *, n, temperature, max_new_tokens, seed):
 
 
 def score(env, rows: list[dict], greedy: list[str], sampled: list[list[str]], *, ks: list[int], resamples: int,
-          seed: int, channels: dict | None = None) -> tuple[dict, list[dict]]:
+          seed: int, channels: dict | None = None, environments: list | None = None) -> tuple[dict, list[dict]]:
     """`(result, samples)` from a model's completions.
 
     result: `greedy_accuracy`, `pass_at_k` (k -> value), `n_prompts`, and their 95%
@@ -87,6 +87,8 @@ def score(env, rows: list[dict], greedy: list[str], sampled: list[list[str]], *,
     verdicts = [env.verify(g, r["answer"]) for g, r in zip(greedy, rows)]
     correct = [sum(env.verify(c, r["answer"]) for c in outs) for outs, r in zip(sampled, rows)]
     columns = {key: [r.get(key) for r in rows] for key in reward_columns(rows[0])} if rows else {}
+    if environments is not None:  # a tool environment's greedy episodes: the channels that read them
+        columns["environments"] = environments
     rewards = {name: fn(greedy, **columns) for name, fn in (channels or {}).items()}
     samples = [{"prompt": r["prompt"], "completion": g, "answer": r["answer"],
                 **{f"reward.{name}": values[i] for name, values in rewards.items()},

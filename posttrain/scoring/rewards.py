@@ -108,6 +108,25 @@ def length(env: Environment) -> RewardFn:
     return length
 
 
+def tool_use(env: Environment) -> RewardFn:
+    """A tool environment's episodes: 1.0 when the episode called a tool at all (TRL passes
+    the episodes' guarded instances as `environments`; 0.0 without them)."""
+    def tool_use(completions, environments=None, **_):
+        return [float(getattr(e, "tool_calls", 0) > 0) for e in environments] if environments else \
+            [0.0] * len(completions)
+    return tool_use
+
+
+def tool_errors(env: Environment) -> RewardFn:
+    """A tool environment's episodes: minus the share of the episode's tool calls that
+    failed (raised, timed out, named no tool), 0 for an episode without calls."""
+    def tool_errors(completions, environments=None, **_):
+        if not environments:
+            return [0.0] * len(completions)
+        return [-getattr(e, "tool_errors", 0) / max(1, getattr(e, "tool_calls", 0)) for e in environments]
+    return tool_errors
+
+
 REWARDS: dict[str, Channel] = {
     "correctness": Channel(correctness, 0.0, 1.0),
     "parseable": Channel(parseable, 0.0, 1.0),
@@ -115,6 +134,8 @@ REWARDS: dict[str, Channel] = {
     "similarity": Channel(similarity, 0.0, 1.0),
     "format": Channel(format_channel, 0.0, 1.0),
     "length": Channel(length, -1.0, 0.0),
+    "tool_use": Channel(tool_use, 0.0, 1.0),
+    "tool_errors": Channel(tool_errors, -1.0, 0.0),
 }
 
 

@@ -56,7 +56,9 @@ def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_
         for name, (greedy, sampled) in completions.items():
             before = timeout_counts(env)
             report[name], samples = score(env, rows, greedy, sampled, ks=settings.k, channels=channels,
-                                          resamples=config.stats.bootstrap_resamples, seed=config.seed)
+                                          resamples=config.stats.bootstrap_resamples, seed=config.seed,
+                                          environments=[e.instance for e in episodes[name]] if name in episodes
+                                          else None)
             # this model's completions whose matches a time limit cut (dataset env: patterns, math-verify)
             report[name].update({k: float(v - before[k]) for k, v in timeout_counts(env).items()})
             per_prompt[name] = outcomes(samples, settings.n_samples)
