@@ -76,8 +76,9 @@ def take(tokenizer, episode: Episode, reply_ids: list[int], prefix_ids: list[int
     episode.turns += 1
     episode.tokens += len(reply_ids)
     calls = message.get("tool_calls") or []
-    if not calls:
+    if not calls:  # the answer; cut short when the reply ran out of tokens before its end-of-turn token
         episode.done = True
+        episode.truncated = bool(reply_ids) and reply_ids[-1] not in tokenizer.all_special_ids
         return
     if episode.turns > max_turns or episode.tokens >= max_tokens:
         episode.done = episode.truncated = True
