@@ -49,14 +49,17 @@ class SQLToolsOptions(SQLOptions):
                                "query tool to look at the data. Reply with the final query only.", max_length=20_000,
                                description="System prompt (before the tools' descriptions); may name {schema}.")
     max_turns: int = Field(3, ge=1, le=20, description="Tool-calling rounds an episode may take.")
+    prompt_format: str = Field("{question}", max_length=2000, description="The user turn; names {question} (and "
+                               "may name {schema}).")
 
 
 class SQLToolsEnv(SQLEnv):
     name = "sql_tools"
     Options = SQLToolsOptions
 
-    def __init__(self, max_turns: int = 3, system: str | None = SQLToolsOptions().system, **options):
-        super().__init__(system=system, **options)
+    def __init__(self, max_turns: int = 3, system: str | None = SQLToolsOptions().system,
+                 prompt_format: str = "{question}", **options):
+        super().__init__(system=system, prompt_format=prompt_format, **options)
         self.max_turns = max_turns
         self.episode = functools.partial(SQLEpisode, str(self.db_path), self.timeout_s)
 
