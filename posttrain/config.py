@@ -63,7 +63,7 @@ class ToolLimitsSection(Section):
 
 class DataSection(Section):
     env: str = Field("arithmetic", min_length=1, max_length=200,
-                     description="Environment: a built-in (arithmetic, sql, dataset; calculator, sql_tools: tool "
+                     description="Environment: a built-in (arithmetic, sql, dataset; calculator, sql_tools, retrieval: tool "
                                  "environments), an entry point of the group posttrain.envs, or an import path "
                                  "package.module:factory (a workspace's own in custom/); posttrain/envs/base.py "
                                  "gives the protocol, posttrain/envs/tools.py a tool environment's.")

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from chat_model import build_chat_model
-from conftest import check_and_run, sh
+from conftest import check_and_run, make_workspace, sh
 from posttrain.chat import TOOL_TEMPLATE
 from posttrain.envs.calculator import CalculatorEnv
 
@@ -80,6 +80,23 @@ def test_the_calculator_runs_every_stage_with_tools(tmp_path, tool_model):
     evaluate = next(r for r in runs if r.data.tags.get("posttrain.stage") == "evaluate")
     tables = {f.path for f in mlflow.MlflowClient().list_artifacts(evaluate.info.run_id, "episodes")}
     assert {"episodes/base.json", "episodes/sft.json"} <= tables, tables
+
+
+@pytest.mark.slow
+def test_retrieval_passes_check_and_prepare_writes_its_index_beside_the_splits(tmp_path, tool_model):
+    """The retrieval built-in through `check` (its dry episode searches) and the prepare stage:
+    the index lands in data/index (an output DVC versions), named in the manifest."""
+    config = calculator_config(tool_model, data={"env": "retrieval", "options": {"towns": 40, "heldout_size": 8}})
+    path = tmp_path / "retrieval.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    sh("posttrain", "check", "--config", path, cwd=tmp_path)
+    ws = make_workspace(tmp_path / "ws", {k: v for k, v in config.items() if k != "extends"})
+    sh("posttrain", "stage", "prepare", "--config", "configs/pipeline.yaml", "--data-dir", "data", "--datasets-dir",
+       "datasets", "--model-dir", "artifacts/models/base", "--metrics-path", "metrics/prepare.json", cwd=ws)
+    manifest = json.loads((ws / "data" / "manifest.json").read_text())
+    assert manifest["index"]["documents"] == 40 and (ws / "data" / "index" / "corpus.sha256").is_file()
+    row = json.loads((ws / "data" / "train.jsonl").read_text().splitlines()[0])
+    assert '"name": "search"' in row["prompt"] and row["trace"][0]["tool_calls"][0]["function"]["name"] == "search"
 
 
 def test_check_refuses_a_tool_env_without_chat_in_one_line(tmp_path, tool_model):

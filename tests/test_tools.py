@@ -279,3 +279,63 @@ def test_episode_channels_read_the_guarded_episodes_calls_and_failures():
     columns = {"answer": ["4", "9", "1"], "environments": [used, failed, idle]}
     assert funcs[0](completions, **columns) == [1.0, 1.0, 0.0]
     assert funcs[1](completions, **columns) == [0.0, -0.5, 0.0]
+
+
+def test_retrieval_finds_the_document_and_its_gold_episode_verifies(tokenizer):
+    from posttrain.envs.retrieval import RetrievalEnv
+
+    tool_ready(tokenizer)
+    env = RetrievalEnv(towns=40, heldout_size=20)
+    assert tool_problems(env.episode) == []
+    splits = env.generate(0)
+    assert (len(splits["train"]), len(splits["heldout"])) == (60, 20)
+    assert not {r["prompt"] for r in splits["train"]} & {r["prompt"] for r in splits["heldout"]}
+    for row in splits["heldout"]:  # the town the question names heads the results
+        town = row["prompt"].split(" was ")[-1].split(" founded")[0] if "founded" in row["prompt"] else \
+            row["prompt"].rsplit(" ", 1)[-1].rstrip("?")
+        assert row["trace"][1]["content"].split("\n")[0].split("] ")[1].startswith(town + " "), row
+    row = splits["heldout"][0]
+    done = dry_episode(tokenizer, env, row)
+    assert env.verify(done.final, row["answer"]) and (done.tool_calls, done.tool_errors) == (1, 0)
+    assert env.verify(row["answer"], row["answer"]) and not env.verify(f"It is {row['answer']}.", row["answer"])
+    assert guard(env.episode)().search("zzzz qqqq") == "(no document matches)"
+
+
+def test_retrieval_index_is_written_by_prepare_and_reused_only_for_its_own_corpus(tmp_path, monkeypatch):
+    from posttrain.envs.retrieval import INDEX_DIR, RetrievalEnv
+
+    monkeypatch.chdir(tmp_path)
+    env = RetrievalEnv(towns=30, heldout_size=10)
+    assert not env.episode.args[0].loaded and env.save_index(tmp_path / INDEX_DIR)["documents"] == 30
+    again = RetrievalEnv(towns=30, heldout_size=10)
+    assert again.episode.args[0].loaded
+    assert again.episode().search("Anything") == env.episode().search("Anything")
+    assert not RetrievalEnv(towns=31, heldout_size=10).episode.args[0].loaded  # another corpus: built anew
+
+
+def test_retrieval_over_a_users_corpus_and_its_bad_input(tmp_path, monkeypatch):
+    import json
+
+    from posttrain.envs import get_env
+    from posttrain.errors import OptionError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "custom").mkdir()
+    docs = [{"id": "d1", "text": "The Kestrel pump moves 40 litres a minute."},
+            {"id": "d2", "text": "The Osprey valve is rated for 12 bar."}]
+    (tmp_path / "custom" / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    for split, question, answer in (("train", "What does the Kestrel pump move a minute?", "40 litres"),
+                                    ("heldout", "What is the Osprey valve rated for?", "12 bar")):
+        (tmp_path / "custom" / f"{split}.jsonl").write_text(json.dumps({"prompt": question, "answer": answer}) + "\n")
+    files = {"corpus": "custom/docs.jsonl", "train": "custom/train.jsonl", "heldout": "custom/heldout.jsonl"}
+    env = get_env("retrieval", **files, verifier="exact", top_k=1)
+    row = env.generate(0)["heldout"][0]
+    assert row["trace"][1]["content"] == "[d2] The Osprey valve is rated for 12 bar."
+    assert env.verify("12 bar", row["answer"]) and not env.verify("12", row["answer"])
+    with pytest.raises(Exception, match="heldout"):  # a corpus without its question files
+        get_env("retrieval", corpus="custom/docs.jsonl", train="custom/train.jsonl")
+    (tmp_path / "custom" / "docs.jsonl").write_text('{"id": "d1", "body": "no text field"}\n')
+    with pytest.raises(OptionError, match="docs.jsonl line 1"):
+        get_env("retrieval", **files, verifier="exact")
+    with pytest.raises(OptionError, match="custom/"):
+        get_env("retrieval", **{**files, "corpus": "/etc/passwd.jsonl"}, verifier="exact")

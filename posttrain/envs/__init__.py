@@ -2,7 +2,7 @@
 
 `data.env` names one of three kinds (posttrain.envs.base documents the protocol):
 - a built-in: `arithmetic`, `sql`, `dataset` (your own files and a verifier), and the tool
-  environments `calculator` and `sql_tools` (posttrain.envs.tools) (ENVIRONMENTS);
+  environments `calculator`, `sql_tools` and `retrieval` (posttrain.envs.tools) (ENVIRONMENTS);
 - an entry point an installed package registers in the group `posttrain.envs`;
 - an import path `package.module:factory` (a class or a function), resolved with the
   workspace first on the path: a workspace's own environments live in `custom/`.
@@ -19,13 +19,14 @@ from posttrain.envs.arithmetic import ArithmeticEnv
 from posttrain.envs.base import EnvOptions, Environment, missing_methods
 from posttrain.envs.calculator import CalculatorEnv
 from posttrain.envs.dataset import DatasetEnv
+from posttrain.envs.retrieval import RetrievalEnv
 from posttrain.envs.sql import SQLEnv
 from posttrain.envs.sql_tools import SQLToolsEnv
 from posttrain.plugins import PluginError, lookup
 from posttrain.yamlfile import show
 
 ENVIRONMENTS: dict[str, type] = {"arithmetic": ArithmeticEnv, "sql": SQLEnv, "dataset": DatasetEnv,
-                                 "calculator": CalculatorEnv, "sql_tools": SQLToolsEnv}
+                                 "calculator": CalculatorEnv, "sql_tools": SQLToolsEnv, "retrieval": RetrievalEnv}
 ENTRY_POINT_GROUP = "posttrain.envs"
 
 

@@ -134,7 +134,11 @@ class DatasetEnv:
     Options = DatasetOptions
 
     def __init__(self, **options):
-        self.options = DatasetOptions(**options)
+        self.setup(DatasetOptions(**options))
+
+    def setup(self, options: DatasetOptions) -> None:
+        """Build from validated options (a subclass passes its own schema's)."""
+        self.options = options
         self.verifier = self.options.verifier
         self.system = self.options.system  # the system prompt of conversational prompts (data.chat)
         self._pattern = regex.compile(self.options.answer_pattern, _FLAGS) if self.options.answer_pattern else None

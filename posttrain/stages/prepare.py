@@ -36,6 +36,9 @@ def main(config, *, data_dir: str, datasets_dir: str, model_dir: str, metrics_pa
             if config.data.chat:  # the base model's chat template around every prompt (posttrain.chat)
                 splits = chat_splits(config, env, splits)
             manifest = write_splits(splits, Path(data_dir))
+            if hasattr(env, "save_index"):  # a search index (retrieval): versioned with the splits
+                manifest["index"] = env.save_index(Path(data_dir) / "index")
+                write_json(Path(data_dir) / "manifest.json", manifest)
         metrics = {f"{name}_rows": float(len(rows)) for name, rows in splits.items()}
         metrics["datasets_rows"] = float(added)
         metrics["base_params"] = float(params)
