@@ -39,7 +39,7 @@ from posttrain.files import read_json  # noqa: E402
 from posttrain.scoring import stats  # noqa: E402
 from posttrain.training import trl_bridge  # noqa: E402
 
-K = 8
+K = 8  # pass@K: the largest k of the config's evaluate.k (main sets it)
 GAIN, P_MAX, TRAIN_MINUTES = 0.15, 0.01, 30.0  # issue 27's goal
 
 
@@ -52,6 +52,8 @@ def summarise(ws: Path, seed: int, resamples: int, uri: str) -> dict:
     base, final = evaluate["base"], evaluate["grpo"]
     test = {m: stats.compare(outcomes["base"], outcomes["grpo"], m, resamples=resamples, seed=seed)
             for m in ("greedy_accuracy", f"pass_at_k.{K}")}
+    # what GRPO did: the final model against the SFT model it started from, same prompts
+    rl = stats.compare(outcomes["sft"], outcomes["grpo"], "greedy_accuracy", resamples=resamples, seed=seed)
     train_seconds = sft["train_seconds"] + sum(m.get("train_seconds", 0.0) for m in grpo.values())
     return {"seed": seed, "n_prompts": base["n_prompts"],
             **{f"{name}_{figure}": evaluate[key][src] for name, key in (("base", "base"), ("sft", "sft"), ("final", "grpo"))
@@ -61,6 +63,9 @@ def summarise(ws: Path, seed: int, resamples: int, uri: str) -> dict:
             **{f"{name}_pass8_ci95": evaluate[key]["pass_at_k_ci95"][str(K)] for name, key in (("base", "base"),
                                                                                                ("final", "grpo"))},
             "gain": final["greedy_accuracy"] - base["greedy_accuracy"], "gain_p": test["greedy_accuracy"].p_value,
+            "grpo_gain": final["greedy_accuracy"] - evaluate["sft"]["greedy_accuracy"], "grpo_gain_p": rl.p_value,
+            # tool environments: calls per greedy episode, base -> SFT -> final
+            "tool_calls": [evaluate[key].get("episodes", {}).get("tool_calls") for key in ("base", "sft", "grpo")],
             "pass8_p": test[f"pass_at_k.{K}"].p_value,
             "gates": {name: "accepted" if m.get("accepted") else "rejected" for name, m in grpo.items()},
             "train_minutes": train_seconds / 60,
@@ -77,22 +82,28 @@ def interval(value: float, ci: list[float]) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = [f"| seed | base greedy [95% CI] | base format rate | SFT greedy | final greedy [95% CI] | gain (McNemar p) "
-             f"| base pass@{K} -> final (paired p) | gates | training min (stages) | GRPO s/step |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"| base pass@{K} -> final (paired p) | GRPO: final - SFT (McNemar p) | gates | training min (stages) "
+             f"| GRPO s/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['seed']} | {interval(r['base_greedy'], r['base_greedy_ci95'])} | {r['base_format_rate']:.3f} "
             f"| {r['sft_greedy']:.3f} | {interval(r['final_greedy'], r['final_greedy_ci95'])} "
             f"| {r['gain']:+.3f} ({stats.format_p(r['gain_p'])}) "
             f"| {interval(r['base_pass8'], r['base_pass8_ci95'])} -> {interval(r['final_pass8'], r['final_pass8_ci95'])} "
-            f"({stats.format_p(r['pass8_p'])}) | {', '.join(f'{k} {v}' for k, v in r['gates'].items())} "
+            f"({stats.format_p(r['pass8_p'])}) | {r['grpo_gain']:+.3f} ({stats.format_p(r['grpo_gain_p'])}) "
+            f"| {', '.join(f'{k} {v}' for k, v in r['gates'].items())} "
             f"| {r['train_minutes']:.1f} ({r['training_stage_minutes']:.1f}) | {r['grpo_seconds_per_step']:.2f} |")
     if len(rows) > 1:
         mean = {k: statistics.mean(r[k] for r in rows) for k in ("base_greedy", "sft_greedy", "final_greedy", "gain",
                                                                  "base_pass8", "final_pass8", "train_minutes")}
         lines.append(f"| mean | {mean['base_greedy']:.3f} | | {mean['sft_greedy']:.3f} | {mean['final_greedy']:.3f} "
-                     f"| {mean['gain']:+.3f} | {mean['base_pass8']:.3f} -> {mean['final_pass8']:.3f} | "
-                     f"| {mean['train_minutes']:.1f} | |")
+                     f"| {mean['gain']:+.3f} | {mean['base_pass8']:.3f} -> {mean['final_pass8']:.3f} "
+                     f"| {statistics.mean(r['grpo_gain'] for r in rows):+.3f} | | {mean['train_minutes']:.1f} | |")
+    calls = [r for r in rows if r["tool_calls"][0] is not None]
+    if calls:
+        lines += ["", "Tool calls per greedy episode (base -> SFT -> final): "
+                  + "; ".join(f"seed {r['seed']}: " + " -> ".join(f"{c:.2f}" for c in r["tool_calls"]) for r in calls)]
     return "\n".join(lines)
 
 
@@ -130,6 +141,8 @@ def main() -> None:
     if not (Path(config["model"]["path"]) / "config.json").is_file():
         raise SystemExit(f"{config['model']['path']}: no model there; run `make smollm2` first")
     resamples = config.get("stats", {}).get("bootstrap_resamples", 2000)
+    global K
+    K = max(config.get("evaluate", {}).get("k", [K]))
     rows = []
     for seed in args.seeds:
         ws = run_seed(root, config, seed, uri)
