@@ -47,3 +47,32 @@ def build_chat_model(dest: Path, texts: list[str], *, vocab_size: int = 400, hid
     model.generation_config = GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
     model.save_pretrained(dest)
     return Path(dest)
+
+
+def memorized_model(dest: Path, row: dict, env, steps: int = 300) -> Path:
+    """A small chat model trained (a plain PyTorch loop) until it says one gold episode by
+    heart: the call, then the answer after the tool's result."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from posttrain.chat import TOOL_TEMPLATE, tool_ready
+    from posttrain.envs.tools import guard
+
+    texts = [row["prompt"], TOOL_TEMPLATE.read_text()] * 20
+    build_chat_model(dest, texts, vocab_size=600, positions=1024, hidden_size=64, layers=2)
+    tokenizer = AutoTokenizer.from_pretrained(dest)
+    tool_ready(tokenizer)
+    tokenizer.save_pretrained(dest)
+    messages = [{"role": "system", "content": env.system}, {"role": "user", "content": row["prompt"]}] + row["trace"]
+    ids = torch.tensor([tokenizer.apply_chat_template(messages, tools=[guard(env.episode)().calc],
+                                                      return_dict=False)])
+    model = AutoModelForCausalLM.from_pretrained(dest)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(dest)
+    return dest

@@ -27,3 +27,35 @@ def test_one_vllm_server_reports_the_predicted_capacity_and_takes_the_load(tmp_p
     assert result["load_requests"] == 48 and result["load_failed_requests"] == 0
     assert result["load_requests_per_second"] > 0 and result["load_output_tokens_per_second"] > 0
     assert 0 < result["load_latency_p50_ms"] <= result["load_latency_p95_ms"] <= result["load_latency_p99_ms"]
+
+
+def test_the_load_test_replays_multi_turn_tool_sessions(tmp_path):
+    """A model that calls the calculator, served by vLLM: each replayed session is two
+    requests (the call, then the answer after the tool's result), the tool runs between
+    them, the answer verifies, and no session grows past the size the report predicts."""
+    from chat_model import memorized_model
+    from transformers import AutoTokenizer
+
+    from posttrain.envs.calculator import CalculatorEnv
+    from posttrain.envs.tools import ToolLimits
+
+    env = CalculatorEnv()
+    row = env.generate(0)["train"][0]
+    folder = memorized_model(tmp_path / "model", row, env)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    cap = 96
+    predicted = len(tokenizer.apply_chat_template([{"role": "system", "content": env.system},
+                                                   {"role": "user", "content": row["prompt"]}],
+                                                  tools=[env.episode().calc], add_generation_prompt=True,
+                                                  return_dict=False)) + cap
+    serving = ServingSection(context_length=1024, vllm_check={"enabled": False, "kv_memory_mib": 64},
+                             load_test={"requests": 6, "concurrency": 3, "max_num_seqs": 2})
+    sessions = {"rows": [row], "tokenizer": tokenizer, "env": env, "max_tokens": cap, "limits": ToolLimits(),
+                "predicted_tokens": predicted}
+    result = check_with_vllm(str(folder), serving, [], sessions)
+    assert result["load_sessions"] == 6 and result["load_failed_sessions"] == 0, result
+    assert result["load_requests"] == 12 and result["load_turns_per_session"] == 2
+    assert result["load_tool_calls_per_session"] == 1 and result["load_tool_errors_per_session"] == 0
+    assert result["load_correct_rate"] == 1.0
+    assert 0 < result["load_peak_session_tokens"] <= predicted
+    assert 0 < result["load_session_latency_p50_ms"] <= result["load_session_latency_p95_ms"]

@@ -52,15 +52,17 @@ READS = {
                                     "seed, every sampler and bootstrap"),
     "model": ({"prepare"}, "prepare builds the tiny model or points at model.path; the others load what it wrote "
                            "(fit reads it only for a memory plan it logs or refuses)"),
-    "data.env": ({"prepare", *SCORERS}, "get_env(data.env, **data.options): prepare's rows, the gates' verifier, "
-                                        "grpo's rewards and filter, evaluate's scores"),
-    "data.options": ({"prepare", *SCORERS}, "the same get_env call: generate, verify, the answer patterns"),
+    "data.env": ({"prepare", *SCORERS, "serving"}, "get_env(data.env, **data.options): prepare's rows, the gates' "
+                                                   "verifier, grpo's rewards and filter, evaluate's scores, serving's "
+                                                   "replayed tool sessions"),
+    "data.options": ({"prepare", *SCORERS, "serving"}, "the same get_env call: generate, verify, the answer patterns"),
     "data.chat": ({"prepare"}, "prepare wraps the rows in the chat template; the others read those rows (a dep)"),
-    "data.episode": ({"prepare", *SCORERS}, "config_env attaches it: prepare's prompts (the tools' schemas), "
+    "data.episode": ({"prepare", *SCORERS, "serving"}, "config_env attaches it: prepare's prompts (the tools' schemas), "
                                            "sft's traces, grpo's environment_factory, the gates' and evaluate's "
-                                           "episodes"),
-    "data.tool_limits": ({"sft", *GRPO, "evaluate"}, "a tool environment's limits on each tool call: the gates' "
-                                                    "and evaluate's episodes, grpo's filter and training"),
+                                           "episodes, serving's replayed sessions"),
+    "data.tool_limits": ({"sft", *GRPO, "evaluate", "serving"}, "a tool environment's limits on each tool call: the "
+                                                               "gates' and evaluate's episodes, grpo's filter and "
+                                                               "training, serving's replayed sessions"),
     "launcher": ({"grpo@dense"}, "config.stage_launcher(): only a training stage without its own `launcher:` "
                                  "launches with it (sft and second have their own here)"),
     "training": (set(), "fit.checked_plan only refuses a stage that does not fit or logs the plan to MLflow"),
@@ -73,8 +75,9 @@ READS = {
     "gate.on_reject": (set(GRPO), "grpo: a rejected stage stops the later ones or not"),
     "serving": ({"serving"}, "config.serving: the KV prediction, the vLLM check, the load test, the SLO"),
     "evaluate": ({"evaluate"}, "config.evaluate: the held-out sampling and its report"),
-    "evaluate.max_new_tokens": ({*EVERY_GATE, "evaluate"}, "also the gates' generation length, sft's stop_when "
-                                                           "measure and grpo's filter default"),
+    "evaluate.max_new_tokens": ({*EVERY_GATE, "evaluate", "serving"}, "also the gates' generation length, sft's "
+                                                                      "stop_when measure, grpo's filter default and "
+                                                                      "a tool environment's served episode cap"),
     "promotion": (set(), "the flow reads it after the stages (posttrain/tracking/promotion.py); the check only refuses"),
     "stats.alpha": (set(GRPO), "gate.decide's paired test; every interval is 95% whatever alpha (stats.intervals)"),
     "stats.bootstrap_resamples": (SCORERS, "the intervals of every gate evaluation and of evaluate's report"),

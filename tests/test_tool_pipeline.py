@@ -13,7 +13,7 @@ import mlflow
 import pytest
 import yaml
 
-from chat_model import build_chat_model
+from chat_model import build_chat_model, memorized_model
 from conftest import check_and_run, make_workspace, sh
 from posttrain.chat import TOOL_TEMPLATE
 from posttrain.envs.calculator import CalculatorEnv
@@ -56,7 +56,8 @@ def tool_model(tmp_path, monkeypatch):
 def test_the_calculator_runs_every_stage_with_tools(tmp_path, tool_model):
     path = tmp_path / "configs" / "tools.yaml"
     path.parent.mkdir()
-    path.write_text(yaml.safe_dump(calculator_config(tool_model), sort_keys=False))
+    served = {"load_test": {"requests": 4, "concurrency": 2, "max_num_seqs": 2}, "vllm_check": {"kv_memory_mib": 64}}
+    path.write_text(yaml.safe_dump(calculator_config(tool_model, serving=served), sort_keys=False))
     checked = sh("posttrain", "check", "--config", path, cwd=tmp_path)
     assert "posttrain's tool-capable ChatML" in checked.stdout + checked.stderr
     ws = tmp_path / "ws"
@@ -75,6 +76,11 @@ def test_the_calculator_runs_every_stage_with_tools(tmp_path, tool_model):
         episodes = report[model]["episodes"]
         assert set(episodes) == {"turns", "tool_calls", "tool_errors", "tokens", "truncated_rate"}
         assert episodes["turns"] >= 1 and episodes["tokens"] > 0
+    serving = json.loads((ws / "reports" / "serving.json").read_text())  # a session is a whole episode, replayed
+    assert serving["episode_max_tokens"] == serving["episode_prompt_tokens_max"] + 48  # evaluate.max_new_tokens
+    assert serving["episode_max_concurrency"] >= serving["max_concurrency"]
+    assert serving["load_sessions"] == 4 and serving["load_failed_sessions"] == 0
+    assert 1 <= serving["load_turns_per_session"] and serving["load_peak_session_tokens"] <= serving["episode_max_tokens"]
     mlflow.set_tracking_uri(f"sqlite:///{ws / 'mlflow.db'}")
     runs = mlflow.search_runs(search_all_experiments=True, output_format="list")
     evaluate = next(r for r in runs if r.data.tags.get("posttrain.stage") == "evaluate")
@@ -124,35 +130,6 @@ def test_check_refuses_a_user_tool_env_whose_tool_is_untyped(tmp_path, tool_mode
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     done = sh("posttrain", "check", "--config", path, cwd=tmp_path, check=False)
     assert done.returncode == 2 and "calc" in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
-
-
-def memorized_model(dest: Path, row: dict, env: CalculatorEnv, steps: int = 300) -> Path:
-    """A small chat model trained (a plain PyTorch loop) until it says one gold episode by
-    heart: the call, then the answer after the tool's result."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from posttrain.chat import tool_ready
-    from posttrain.envs.tools import guard
-
-    texts = [row["prompt"], TOOL_TEMPLATE.read_text()] * 20
-    build_chat_model(dest, texts, vocab_size=600, positions=1024, hidden_size=64, layers=2)
-    tokenizer = AutoTokenizer.from_pretrained(dest)
-    tool_ready(tokenizer)
-    tokenizer.save_pretrained(dest)
-    messages = [{"role": "system", "content": env.system}, {"role": "user", "content": row["prompt"]}] + row["trace"]
-    ids = torch.tensor([tokenizer.apply_chat_template(messages, tools=[guard(env.episode)().calc],
-                                                      return_dict=False)])
-    model = AutoModelForCausalLM.from_pretrained(dest)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    torch.manual_seed(0)
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.save_pretrained(dest)
-    return dest
 
 
 @pytest.mark.slow

@@ -9,11 +9,14 @@ server takes the load test (one engine start for both).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import mlflow
 
 from posttrain.capacity import kv
+from posttrain.envs import config_env
+from posttrain.envs.tools import is_tool_env, tool_limits
 from posttrain.errors import GateFailure, PredictionMismatch
 from posttrain.files import read_jsonl, write_json
 from posttrain.capacity.kv import capacity, concurrency_by_context, kv_spec, load_config_json, paging
@@ -45,12 +48,42 @@ def predict(model_dir: str, serving, profile: dict) -> dict:
             **cap.__dict__, **pages.__dict__}
 
 
-def check_slo(model_dir: str, serving, gpus_path: str) -> dict:
-    """Fail with `GateFailure` when the model cannot serve the SLO's concurrent sessions."""
+def episode_cap(config) -> int:
+    """The most tokens a served episode takes after its prompt: the evaluation's cap
+    (`evaluate.max_new_tokens`: replies and tool results), the length it is served with."""
+    return config.evaluate.max_new_tokens
+
+
+def episode_sizing(model_dir: str, config, data_dir: str, spec_args: tuple) -> dict:
+    """A tool environment's session size: the longest prompt of either split (as the chat
+    template renders it, tools' schemas included) plus the episode cap, and the concurrent
+    sessions of that size the KV memory holds; a session that cannot fit the served
+    context is a GateFailure."""
+    from posttrain.chat import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [r["prompt"] for split in ("train", "heldout") for r in read_jsonl(f"{data_dir}/{split}.jsonl")]
+    longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
+    length = longest + episode_cap(config)
+    if length > config.serving.context_length:
+        raise GateFailure(f"an episode of up to {length:,} tokens (prompt {longest:,} + episode cap "
+                          f"{episode_cap(config):,}) does not fit serving.context_length {config.serving.context_length:,}; "
+                          "fix: raise serving.context_length, or lower evaluate.max_new_tokens")
+    spec, kv_memory, block_size = spec_args
+    sessions = capacity(spec, kv_memory_bytes=kv_memory, block_size=block_size, context_length=length)
+    return {"episode_prompt_tokens_max": longest, "episode_cap_tokens": episode_cap(config),
+            "episode_max_tokens": length, "episode_session_kv_bytes": spec.session_bytes(length),
+            "episode_max_concurrency": sessions.max_concurrency}
+
+
+def check_slo(model_dir: str, serving, gpus_path: str, episode_tokens: int | None = None) -> dict:
+    """Fail with `GateFailure` when the model cannot serve the SLO's concurrent sessions
+    (of `serving.slo.context_length` tokens, else a tool environment's episode, else the
+    serving context)."""
     slo = serving.slo
     if not slo.min_sessions:
         return {}
-    gpu, context = slo.gpu or serving.gpu, slo.context_length or serving.context_length
+    gpu, context = slo.gpu or serving.gpu, slo.context_length or episode_tokens or serving.context_length
     spec, _, kv_memory = kv_memory_for(model_dir, serving, load_gpu_profile(gpus_path, gpu))
     sessions = capacity(spec, kv_memory_bytes=kv_memory, block_size=serving.block_size,
                         context_length=context).max_concurrency
@@ -108,14 +141,15 @@ def engine_dtype(dtype: str) -> str:
     return "bfloat16" if torch.cuda.is_available() else "float16"
 
 
-def check_with_vllm(model_dir: str, serving, prompts: list[str]) -> dict:
+def check_with_vllm(model_dir: str, serving, prompts: list[str], sessions=None) -> dict:
     """Real vLLM on this machine, started once (its OpenAI server on loopback, with the KV
     memory `serving.vllm_check` fixes): its own capacity, read from the engine's cache
     config on the server's /metrics, against the prediction; then the load test, sending
     `prompts` more at once than the engine runs (they queue). Each as `serving:` enables it;
     a failed request fails the stage. The context is capped at the model's
-    `max_position_embeddings` (vLLM refuses more)."""
-    from posttrain.vllm_engine.loadtest import load_test, server_capacity, vllm_server
+    `max_position_embeddings` (vLLM refuses more). With `sessions` (a tool environment:
+    `replay_sessions`' arguments) the load test replays multi-turn sessions instead."""
+    from posttrain.vllm_engine.loadtest import load_test, server_capacity, session_load_test, vllm_server
 
     check, settings = serving.vllm_check, serving.load_test
     context = min(serving.context_length, int(load_config_json(model_dir).get("max_position_embeddings", 10**9)))
@@ -125,7 +159,18 @@ def check_with_vllm(model_dir: str, serving, prompts: list[str]) -> dict:
                      dtype=engine_dtype(check.dtype)) as url:
         if check.enabled:
             report.update(compare_with_vllm(model_dir, server_capacity(url), kv_memory=kv_memory, context=context))
-        if settings.enabled:
+        if settings.enabled and sessions is not None:
+            rows = (sessions["rows"] * (settings.requests // max(1, len(sessions["rows"])) + 1))[:settings.requests]
+            result = session_load_test(url, sessions["tokenizer"], sessions["env"], rows,
+                                       concurrency=settings.concurrency, max_tokens=sessions["max_tokens"],
+                                       limits=sessions["limits"])
+            if result["failed_sessions"]:
+                raise RuntimeError(f"load test: {result['failed_sessions']} of {result['sessions']} sessions failed")
+            if result["peak_session_tokens"] > sessions["predicted_tokens"]:
+                raise PredictionMismatch(f"a replayed session reached {result['peak_session_tokens']} tokens, over the "
+                                         f"{sessions['predicted_tokens']} the episode sizing predicts")
+            report.update({f"load_{k}": v for k, v in result.items()})
+        elif settings.enabled:
             batch = (prompts * (settings.requests // max(1, len(prompts)) + 1))[:settings.requests]
             result = load_test(url, batch, concurrency=settings.concurrency, max_tokens=settings.max_tokens)
             if result["failed_requests"]:
@@ -134,7 +179,19 @@ def check_with_vllm(model_dir: str, serving, prompts: list[str]) -> dict:
     return report
 
 
-def vllm_or_warn(model_dir: str, serving, data_dir: str) -> dict:
+def replay_sessions(config, model_dir: str, data_dir: str, env, predicted_tokens: int) -> dict:
+    """What the load test needs to replay a tool environment's sessions: the held-out rows,
+    the model's tokenizer (posttrain's tool template where its own renders no tools), the
+    episode cap and the tool limits."""
+    from posttrain.chat import load_tokenizer, tool_ready
+
+    tokenizer = load_tokenizer(model_dir)
+    tool_ready(tokenizer)
+    return {"rows": read_jsonl(f"{data_dir}/heldout.jsonl"), "tokenizer": tokenizer, "env": env,
+            "max_tokens": episode_cap(config), "limits": tool_limits(config), "predicted_tokens": predicted_tokens}
+
+
+def vllm_or_warn(model_dir: str, serving, data_dir: str, sessions=None) -> dict:
     """`check_with_vllm`'s figures; a loud tag for each part that is off or cannot run."""
     tags = {"posttrain.vllm_engine.check": "disabled in config (serving.vllm_check.enabled)",
             "posttrain.load_test": "disabled in config (serving.load_test.enabled)"}
@@ -147,7 +204,8 @@ def vllm_or_warn(model_dir: str, serving, data_dir: str) -> dict:
         mlflow.set_tags({tag: "vllm not installed" if on else tags[tag] for tag, on in enabled.items()})
         return {}
     with compute("vllm"):  # start, capacity check, load test
-        report = check_with_vllm(model_dir, serving, [r["prompt"] for r in read_jsonl(f"{data_dir}/heldout.jsonl")])
+        report = check_with_vllm(model_dir, serving, [r["prompt"] for r in read_jsonl(f"{data_dir}/heldout.jsonl")],
+                                 sessions() if sessions else None)
     mlflow.set_tags({"posttrain.vllm_engine.check": "matched" if enabled["posttrain.vllm_engine.check"] else tags[
         "posttrain.vllm_engine.check"], "posttrain.load_test": "passed" if enabled["posttrain.load_test"] else tags[
         "posttrain.load_test"]})
@@ -161,10 +219,15 @@ def main(config, *, data_dir: str, models_dir: str, gpus_path: str, report_path:
         model_dir = resolve_model_dir(final_model_dir(config, models_dir))
         report = predict(model_dir, config.serving, profile)
         concurrency_plot(model_dir, config.serving, profile, plot_path)
-        report.update(vllm_or_warn(model_dir, config.serving, data_dir))
+        env, sessions = config_env(config.data), None
+        if is_tool_env(env):  # a session is a whole episode: sized, and replayed turn by turn
+            spec, _, kv_memory = kv_memory_for(model_dir, config.serving, profile)
+            report.update(episode_sizing(model_dir, config, data_dir, (spec, kv_memory, config.serving.block_size)))
+            sessions = functools.partial(replay_sessions, config, model_dir, data_dir, env, report["episode_max_tokens"])
+        report.update(vllm_or_warn(model_dir, config.serving, data_dir, sessions))
         mlflow.log_table({"field": list(report), "value": [str(v) for v in report.values()]},
                          artifact_file="serving_report_table.json")
-        report.update(check_slo(model_dir, config.serving, gpus_path))
+        report.update(check_slo(model_dir, config.serving, gpus_path, report.get("episode_max_tokens")))
         metrics = {k: float(v) for k, v in report.items() if isinstance(v, (int, float))}
         mlflow.log_params({"gpu": config.serving.gpu, "context_length": config.serving.context_length,
                            "tensor_parallel_size": config.serving.tensor_parallel_size,

@@ -86,10 +86,16 @@ def stage_line(name: str, metrics: dict, *, seconds: float, cached: bool, before
         return f"{name}: {verdict}, greedy {change}{pass_at(m, 'candidate_')}, {m.get('steps', 0):,.0f} steps, {took}"
     if name == "serving" and "max_concurrency" in m:
         vllm = "; vLLM's own report agreed" if "vllm_num_blocks" in m else ""
-        load = (f", load test {m['load_requests_per_second']:,.0f} req/s, p95 {m['load_latency_p95_ms']:,.0f} ms"
-                if m.get("load_requests") else "")
-        return (f"serving: {m['max_concurrency']:,.0f} concurrent sessions of {m['context_length']:,.0f} tokens "
-                f"(KV arithmetic{vllm}){load}, {took}")
+        if m.get("load_sessions"):  # a tool environment's replayed multi-turn sessions
+            load = (f", load test {m['load_sessions_per_second']:,.1f} sessions/s of {m['load_turns_per_session']:.1f} "
+                    f"turns, p95 {m['load_session_latency_p95_ms']:,.0f} ms")
+        else:
+            load = (f", load test {m['load_requests_per_second']:,.0f} req/s, p95 {m['load_latency_p95_ms']:,.0f} ms"
+                    if m.get("load_requests") else "")
+        episode = (f"; {m['episode_max_concurrency']:,.0f} of a whole episode ({m['episode_max_tokens']:,.0f} tokens)"
+                   if "episode_max_tokens" in m else "")
+        return (f"serving: {m['max_concurrency']:,.0f} concurrent sessions of {m['context_length']:,.0f} tokens"
+                f"{episode} (KV arithmetic{vllm}){load}, {took}")
     if name == "evaluate" and m and all(isinstance(v, dict) and "greedy_accuracy" in v for v in m.values()):
         greedy = ", ".join(f"{model} {r['greedy_accuracy']:.3f}" for model, r in m.items())
         return f"evaluate: greedy accuracy {greedy}, {took}"

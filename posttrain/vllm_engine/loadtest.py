@@ -103,3 +103,79 @@ def load_test(url: str, prompts: list[str], *, concurrency: int, max_tokens: int
             "output_tokens_per_second": sum(r["tokens"] for r in results) / wall,
             **{f"latency_p{q}_ms": float(np.percentile(latencies, q, method="inverted_cdf")) if latencies else 0.0
                for q in (50, 95, 99)}}
+
+
+def _stop_ids(tokenizer) -> list[int]:
+    """The end-of-turn tokens a reply stops at: the tokenizer's, and ChatML's `<|im_end|>` where it has one."""
+    stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return sorted(set(stops + ([end] if isinstance(end, int) and end != tokenizer.unk_token_id else [])))
+
+
+async def _replay(url: str, tokenizer, env, rows: list[dict], *, concurrency: int, max_tokens: int,
+                  limits) -> list[dict]:
+    import httpx
+
+    from posttrain.envs.tools import guard
+    from posttrain.scoring.episodes import prompt_ids, start, take
+
+    factory, stops = guard(env.episode, limits), _stop_ids(tokenizer)
+    max_turns, system = getattr(env, "max_turns", 8), getattr(env, "system", None)
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        async def session(row: dict) -> dict:
+            async with gate:
+                episode, began = start(factory, row, system), time.perf_counter()
+                requests, peak, ok = 0, 0, True
+                while not episode.done:
+                    ids = prompt_ids(tokenizer, episode)  # the whole conversation so far, as the model sees it
+                    budget = max(1, max_tokens - episode.tokens)
+                    try:
+                        resp = await client.post("/v1/completions", json={
+                            "model": "posttrain", "prompt": ids, "max_tokens": budget, "temperature": 0.0,
+                            "return_token_ids": True, "stop_token_ids": stops, "skip_special_tokens": False})
+                        requests += 1
+                        choice = resp.json()["choices"][0] if resp.status_code == 200 else None
+                    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+                        choice = None
+                    if choice is None:
+                        ok = False
+                        break
+                    reply = list(choice.get("token_ids") or [])
+                    if choice.get("finish_reason") == "stop" and stops and (not reply or reply[-1] not in stops):
+                        reply.append(stops[0])  # vLLM leaves the stop token out of some outputs
+                    peak = max(peak, len(ids) + len(reply))
+                    take(tokenizer, episode, reply[:budget], ids, max_tokens=max_tokens, max_turns=max_turns)
+                    if not episode.done and episode.tokens >= max_tokens:
+                        episode.done = episode.truncated = True
+                return {"ok": ok, "seconds": time.perf_counter() - began, "requests": requests, "peak_tokens": peak,
+                        "turns": episode.turns, "tool_calls": episode.tool_calls, "tool_errors": episode.tool_errors,
+                        "tokens": episode.tokens, "correct": ok and env.verify(episode.final, row["answer"])}
+        return await asyncio.gather(*(session(r) for r in rows))
+
+
+def session_load_test(url: str, tokenizer, env, rows: list[dict], *, concurrency: int, max_tokens: int,
+                      limits) -> dict:
+    """Replay one multi-turn session of a tool environment per row (at most `concurrency`
+    at once): each turn sends the whole conversation so far (prompt, replies, tool results,
+    as token ids the chat template renders), runs the tools the reply calls under `limits`,
+    until the model answers or a cap (`max_tokens` for the whole episode, the env's turns)
+    ends it; the serving check's session figures."""
+    start_time = time.perf_counter()
+    results = asyncio.run(_replay(url, tokenizer, env, rows, concurrency=concurrency, max_tokens=max_tokens,
+                                  limits=limits))
+    wall = time.perf_counter() - start_time
+    done = [r for r in results if r["ok"]]
+    latencies = [r["seconds"] * 1000 for r in done]
+    count = max(1, len(done))
+    return {"sessions": len(results), "failed_sessions": len(results) - len(done), "concurrency": concurrency,
+            "wall_seconds": wall, "sessions_per_second": len(done) / wall,
+            "requests": sum(r["requests"] for r in results),
+            "turns_per_session": sum(r["turns"] for r in done) / count,
+            "correct_rate": sum(r["correct"] for r in done) / count,  # the served episodes' verdicts
+            "tool_calls_per_session": sum(r["tool_calls"] for r in done) / count,
+            "tool_errors_per_session": sum(r["tool_errors"] for r in done) / count,
+            "episode_tokens_per_second": sum(r["tokens"] for r in done) / wall,  # replies and tool results
+            "peak_session_tokens": max((r["peak_tokens"] for r in results), default=0),
+            **{f"session_latency_p{q}_ms": float(np.percentile(latencies, q, method="inverted_cdf")) if latencies
+               else 0.0 for q in (50, 95, 99)}}
