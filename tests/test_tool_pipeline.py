@@ -218,3 +218,23 @@ def test_a_trl_environment_class_runs_through_the_pipeline_with_no_other_code(tm
     assert "'rewards/Inventory/mean'" in log  # TRL's channel of get_reward, named after the class
     report = json.loads((ws / "metrics" / "evaluate.json").read_text())
     assert report["grpo"]["episodes"]["turns"] >= 1
+
+
+@pytest.mark.slow
+def test_vllm_runs_the_same_episodes_as_transformers(tmp_path):
+    """The evaluation's episodes on vLLM (its own process, the environment built again from
+    the config's data section) and on transformers: the same greedy episode of a model that
+    calls the calculator, turn by turn; sampled episodes come back with their counts."""
+    from posttrain.config import DataSection
+    from posttrain.scoring.evaluation import sample_tool_models
+
+    env = CalculatorEnv()
+    row = env.generate(0)["train"][0]
+    folder = str(memorized_model(tmp_path / "model", row, env))
+    runs = {backend: sample_tool_models({"m": folder}, env, [row], n=2, temperature=1.0, max_tokens=96, seed=0,
+                                        backend=backend, data=DataSection(env="calculator", chat=True))
+            for backend in ("transformers", "vllm")}
+    (greedy, sampled), episodes = runs["vllm"][0]["m"], runs["vllm"][1]["m"]
+    assert env.verify(greedy[0], row["answer"]) and len(sampled[0]) == 2
+    assert episodes[0].messages == runs["transformers"][1]["m"][0].messages
+    assert (episodes[0].turns, episodes[0].tool_calls, episodes[0].instance.tool_calls) == (2, 1, 1)

@@ -120,10 +120,24 @@ def run_episodes(model, tokenizer, env, rows: list[dict], *, n: int, temperature
     (posttrain.envs.tools.ToolLimits)."""
     import torch
 
+    torch.manual_seed(seed)
+
+    def replies(prompts: list[list[int]], budget: int) -> list[list[int]]:
+        return generate_ids(model, tokenizer, prompts, temperature=temperature, max_new_tokens=budget)
+
+    return play(tokenizer, env, rows, replies, n=n, max_tokens=max_tokens, system=system, batch_size=batch_size,
+                limits=limits)
+
+
+def play(tokenizer, env, rows: list[dict], replies, *, n: int, max_tokens: int, system: str | None = None,
+         batch_size: int = 64, limits=None) -> list[list[Episode]]:
+    """The episodes' loop, whatever generates: `replies(prompts, budget)` answers a batch of
+    conversations (token ids) with one reply each (token ids, with the end-of-turn token
+    when the reply ended), at most `budget` tokens; transformers (`run_episodes`) or vLLM
+    (posttrain.vllm_engine.sample) behind it."""
     factory = guard(env.episode, limits or ToolLimits())
     max_turns = getattr(env, "max_turns", 8)
     system = system if system is not None else getattr(env, "system", None)
-    torch.manual_seed(seed)
     episodes = [[start(factory, row, system) for _ in range(n)] for row in rows]
     flat = [e for group in episodes for e in group]
     while True:
@@ -136,13 +150,34 @@ def run_episodes(model, tokenizer, env, rows: list[dict], *, n: int, temperature
             for e, ids in zip(batch, prompts):
                 e.prompt_tokens = e.prompt_tokens or len(ids)
             budget = max(1, max(max_tokens - e.tokens for e in batch))
-            replies = generate_ids(model, tokenizer, prompts, temperature=temperature, max_new_tokens=budget)
-            for e, ids, reply in zip(batch, prompts, replies):
+            for e, ids, reply in zip(batch, prompts, replies(prompts, budget)):
                 take(tokenizer, e, reply[:max(0, max_tokens - e.tokens)], ids, max_tokens=max_tokens,
                      max_turns=max_turns)
                 if not e.done and e.tokens >= max_tokens:
                     e.done = e.truncated = True
     return episodes
+
+
+def stop_ids(tokenizer) -> list[int]:
+    """The end-of-turn tokens a reply stops at: the tokenizer's, and ChatML's `<|im_end|>` where it has one."""
+    stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return sorted(set(stops + ([end] if isinstance(end, int) and end != tokenizer.unk_token_id else [])))
+
+
+def as_record(episode: Episode) -> dict:
+    """An episode as JSON (what a vLLM sampling process sends back)."""
+    return {"messages": episode.messages, "prompt_tokens": episode.prompt_tokens, "tokens": episode.tokens,
+            "turns": episode.turns, "tool_calls": episode.tool_calls, "tool_errors": episode.tool_errors,
+            "done": episode.done, "truncated": episode.truncated}
+
+
+def from_record(record: dict) -> Episode:
+    """`as_record`'s episode back; its `instance` carries the counts reward channels read."""
+    import types
+
+    return Episode(**record, tools=[], instance=types.SimpleNamespace(tool_calls=record["tool_calls"],
+                                                                      tool_errors=record["tool_errors"]))
 
 
 def generate_ids(model, tokenizer, prompts: list[list[int]], *, temperature: float,
@@ -235,7 +270,8 @@ def sample_episodes(models: dict[str, str], env, rows: list[dict], *, n: int, te
                     seed: int, limits=None) -> tuple[dict[str, tuple[list[str], list[list[str]]]], dict[str, list]]:
     """Each model's greedy episode and `n` sampled episodes per row, as `sample_models`
     gives completions (the last replies, which the verifier reads), and the greedy
-    episodes themselves (model name -> [Episode])."""
+    episodes themselves (model name -> [Episode]), on transformers
+    (posttrain.scoring.evaluation.sample_tool_models runs them on vLLM too)."""
     from posttrain.chat import tool_ready
     from posttrain.scoring.generation import load_policy
 

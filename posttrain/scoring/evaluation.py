@@ -10,8 +10,8 @@ import importlib.util
 
 from posttrain.scoring import stats
 from posttrain.chat import reward_columns
-from posttrain.envs.tools import is_tool_env
-from posttrain.scoring.episodes import episode_figures, sample_episodes
+from posttrain.envs.tools import ToolLimits, is_tool_env
+from posttrain.scoring.episodes import episode_figures, from_record, sample_episodes
 from posttrain.scoring.generation import generate, load_policy
 from posttrain.scoring.metrics import mean_pass_at_k
 
@@ -53,24 +53,41 @@ def sample_models(models: dict[str, str], prompts: list[str], *, backend: str, n
 
 def _sample_vllm(models, prompts, *, n, temperature, max_new_tokens, seed):
     """`posttrain.vllm_engine.sample` in its own process (vLLM must start under `__main__`)."""
-    import json
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
+    from posttrain.vllm_engine.sample import run_job
 
     longest = max(len(p) for p in prompts)  # an upper bound in tokens for any tokenizer
-    job = {"models": models, "prompts": prompts, "n": n, "temperature": temperature, "max_tokens": max_new_tokens,
-           "seed": seed, "dtype": "float32", "max_model_len": longest + max_new_tokens + 8,
-           "kv_cache_memory_bytes": 256 * 2**20}
-    with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "job.json").write_text(json.dumps(job))
-        done = subprocess.run([sys.executable, "-m", "posttrain.vllm_engine.sample", "--job", f"{tmp}/job.json",
-                               "--out", f"{tmp}/out.json"], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"vLLM sampling failed: {done.stderr.strip()[-800:]}")
-        result = json.loads(Path(tmp, "out.json").read_text())
+    result = run_job({"models": models, "prompts": prompts, "n": n, "temperature": temperature,
+                      "max_tokens": max_new_tokens, "seed": seed, "max_model_len": longest + max_new_tokens + 8})
     return {name: (r["greedy"], r["sampled"]) for name, r in result.items()}
+
+
+def sample_tool_models(models: dict[str, str], env, rows: list[dict], *, backend: str, data, n: int,
+                       temperature: float, max_tokens: int, seed: int, limits=None):
+    """`sample_episodes` on the backend asked for: on vLLM, a sampling process builds the
+    environment again from `data` (the config's section) and runs the same episode loop."""
+    if resolve_backend(backend) == "vllm":
+        return _episodes_vllm(models, rows, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
+                              limits=limits or ToolLimits(), data=data)
+    return sample_episodes(models, env, rows, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed,
+                           limits=limits)
+
+
+def _episodes_vllm(models, rows, *, n, temperature, max_tokens, seed, limits, data):
+    """A tool environment's episodes in a vLLM sampling process (posttrain.vllm_engine.sample)."""
+    from posttrain.vllm_engine.sample import run_job
+
+    if data is None:
+        raise ValueError("vLLM episodes need the config's data section to build the environment again")
+    result = run_job({"kind": "episodes", "models": models, "rows": rows, "n": n, "temperature": temperature,
+                               "max_tokens": max_tokens, "seed": seed, "data": data.model_dump(),
+                               "limits": {"seconds": limits.seconds, "max_chars": limits.max_chars}})
+    completions, greedy_episodes = {}, {}
+    for name, out in result.items():
+        greedy = [from_record(r) for r in out["greedy"]]
+        sampled = [[from_record(r) for r in group] for group in out["sampled"]]
+        completions[name] = ([e.final for e in greedy], [[e.final for e in group] for group in sampled])
+        greedy_episodes[name] = greedy
+    return completions, greedy_episodes
 
 
 def score(env, rows: list[dict], greedy: list[str], sampled: list[list[str]], *, ks: list[int], resamples: int,

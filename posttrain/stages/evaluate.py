@@ -19,9 +19,9 @@ import mlflow
 from posttrain import stageid
 from posttrain.envs import config_env
 from posttrain.envs.tools import is_tool_env, tool_limits
-from posttrain.scoring.episodes import episode_figures, episode_table, sample_episodes
-from posttrain.scoring.evaluation import (known_greedy, outcomes, report_timeouts, resolve_backend, sample_models, score,
-                                  timeout_counts)
+from posttrain.scoring.episodes import episode_figures, episode_table
+from posttrain.scoring.evaluation import (known_greedy, outcomes, report_timeouts, resolve_backend, sample_models,
+                                          sample_tool_models, score, timeout_counts)
 from posttrain.files import read_jsonl, write_json
 from posttrain.layout import model_dirs, read_card
 from posttrain.tracking.lineage import log_datasets
@@ -41,12 +41,12 @@ def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_
         reused = known_greedy(gate_evaluations(models), prompts, settings.max_new_tokens)
         episodes = {}
         with compute("sampling"):
-            if is_tool_env(env):  # whole episodes, run by posttrain on transformers (posttrain.scoring.episodes)
-                backend, reused = "transformers", {}
-                completions, episodes = sample_episodes(models, env, rows, n=settings.n_samples,
-                                                        temperature=settings.temperature,
-                                                        max_tokens=settings.max_new_tokens, seed=config.seed,
-                                                        limits=tool_limits(config))
+            if is_tool_env(env):  # whole episodes, run by posttrain (posttrain.scoring.episodes) on either backend
+                reused = {}
+                completions, episodes = sample_tool_models(models, env, rows, backend=backend, data=config.data,
+                                                           n=settings.n_samples, temperature=settings.temperature,
+                                                           max_tokens=settings.max_new_tokens, seed=config.seed,
+                                                           limits=tool_limits(config))
             else:
                 completions = sample_models(models, prompts, backend=backend, n=settings.n_samples,
                                             temperature=settings.temperature, max_new_tokens=settings.max_new_tokens,

@@ -105,21 +105,14 @@ def load_test(url: str, prompts: list[str], *, concurrency: int, max_tokens: int
                for q in (50, 95, 99)}}
 
 
-def _stop_ids(tokenizer) -> list[int]:
-    """The end-of-turn tokens a reply stops at: the tokenizer's, and ChatML's `<|im_end|>` where it has one."""
-    stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    return sorted(set(stops + ([end] if isinstance(end, int) and end != tokenizer.unk_token_id else [])))
-
-
 async def _replay(url: str, tokenizer, env, rows: list[dict], *, concurrency: int, max_tokens: int,
                   limits) -> list[dict]:
     import httpx
 
     from posttrain.envs.tools import guard
-    from posttrain.scoring.episodes import prompt_ids, start, take
+    from posttrain.scoring.episodes import prompt_ids, start, stop_ids, take
 
-    factory, stops = guard(env.episode, limits), _stop_ids(tokenizer)
+    factory, stops = guard(env.episode, limits), stop_ids(tokenizer)
     max_turns, system = getattr(env, "max_turns", 8), getattr(env, "system", None)
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
