@@ -48,6 +48,9 @@ def build_parser(add_commands=None) -> argparse.ArgumentParser:
                        "the checks of this machine's GPUs, installed versions and servers")
     # how a stage host answers flows.checks.checked_in_host: the outcome as one JSON line
     check.add_argument("--as-json", action="store_true", help=argparse.SUPPRESS)
+    audit = sub.add_parser("audit", help="score each GRPO stage's reward on completions built to game it")
+    audit.add_argument("--config", required=True)
+    audit.add_argument("--out", help="write the report (JSON) here too")
     stage = sub.add_parser("stage", help="run one pipeline stage (dvc.yaml calls this)",
                            description="posttrain stage NAME --config FILE --PATH-FLAG VALUE ...: the path flags "
                                        "are the stage's `main` keyword arguments (dvc.yaml passes them)")
@@ -167,6 +170,8 @@ def dispatch(args) -> int:
         return check_config(args)
     elif args.command == "join":
         return join_stage(args)
+    elif args.command == "audit":
+        audit_config(args)
     elif args.command == "stage":
         run_stage(args)
     elif args.command == "compare":
@@ -202,6 +207,45 @@ def check_config(args) -> int:
     else:
         print(f"{args.config}: ok{'; ' + fits if fits else ''}{' (this machine not checked)' if args.elsewhere else ''}")
     return 0
+
+
+def audit_config(args) -> None:
+    """`posttrain audit`: every GRPO stage's reward (channels, weights, guardrails) scored on
+    the exploit battery of the config's training rows (posttrain.scoring.audit); a line per
+    stage, the report as JSON with --out; UserError naming the first stage that breaches."""
+    from posttrain.config import load_config
+    from posttrain.envs import config_env
+    from posttrain.files import write_json
+    from posttrain.scoring.audit import FIX, audit_stage
+
+    config = load_config(args.config)
+    if args.out:
+        writable_report(args.out)
+    env = config_env(config.data)
+    rows = env.generate(config.seed)["train"]
+    reports = {name: audit_stage(name, env, stage.rewards, stage.guardrails, rows) for name, stage in config.grpo.items()}
+    if args.out:
+        write_json(args.out, {name: r.as_dict() for name, r in reports.items()})
+    for name, report in reports.items():
+        count = len({b.family for b in report.breaches})
+        verdict = f"refused: {count} exploit {'family breaches' if count == 1 else 'families breach'} it" \
+            if report.breaches else "passed"
+        print(f"grpo.{name}: audit {verdict} ({report.exploits:,} exploits of {len(report.families)} families on "
+              f"{report.rows} training rows; lowest gold reward {report.gold_min:.3f}, stage minimum "
+              f"{report.stage_min:.3f})")
+    breached = next((r for r in reports.values() if r.breaches), None)
+    if breached is not None:
+        raise UserError(args.config, breached.breaches[0].line(breached.stage), FIX)
+
+
+def writable_report(path: str) -> None:
+    """UserError unless a JSON report can be written at `path` (its folder made if missing)."""
+    if not path.endswith(".json") or Path(path).is_dir():
+        raise UserError(f"--out {path}", "not a .json file name", "pass a file name, e.g. reports/audit.json")
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"--out {path}", f"cannot create its folder ({err.strerror})", "give a writable path") from None
 
 
 def full_check(config_path: str, *, here: bool) -> str:

@@ -24,6 +24,8 @@ Optional:
   Without it the options are passed as keyword arguments unchecked.
 - `check_row(row) -> str | None`: why an incoming row (`incoming/`, posttrain.ingest)
   is not a valid example beyond verifying its own completion, or None.
+- `exploits(row) -> [Exploit]`: the environment's own families for the reward audit
+  (posttrain.scoring.audit), completions built from the row to game a reward.
 - Reward channels are not the environment's: `posttrain.scoring.rewards` builds them from
   `parse`/`verify`, and a stage may add its own by import path.
 
@@ -41,11 +43,22 @@ and a FIFO, socket or device, are refused before anything reads them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
 REQUIRED = ("generate", "parse", "verify")
+
+
+@dataclass(frozen=True)
+class Exploit:
+    """A completion built to game a reward (posttrain.scoring.audit): `wrong` ones hold no
+    right answer where a strict reader reads and must score below every gold completion;
+    `variant` ones are the gold answer in another form and must never score above one."""
+    family: str
+    completion: str
+    kind: str = "wrong"
 
 
 class EnvOptions(BaseModel):

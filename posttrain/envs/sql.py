@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from posttrain.envs.base import EnvOptions
+from posttrain.envs.base import EnvOptions, Exploit
 from posttrain.errors import OptionError, invalid
 from posttrain.scoring.sandbox import QueryError, run_query
 
@@ -163,6 +163,21 @@ class SQLEnv:
         if got is None or want is None:
             return False
         return got == want if _ORDERED.search(answer) else Counter(got) == Counter(want)
+
+
+    def exploits(self, row: dict) -> list:
+        """The SQL families of the reward audit (posttrain.scoring.audit): queries built
+        from the gold one that return other rows, and writes; those the execution finds
+        right for this row are dropped (a tautology on a query that already reads every row)."""
+        gold = row["answer"].strip().rstrip(";")
+        wrong = {"SELECT *": "SELECT * FROM emp",
+                 "tautology": re.sub(r"\bWHERE\b", "WHERE 1=1 OR", gold, count=1, flags=re.IGNORECASE),
+                 "doubled union": f"SELECT * FROM ({gold}) UNION ALL SELECT * FROM ({gold})",
+                 "LIMIT drops rows": f"SELECT * FROM ({gold}) LIMIT 1",
+                 "write": "DELETE FROM emp", "drop": "DROP TABLE emp", "attach": "ATTACH DATABASE 'x.db' AS x"}
+        found = [Exploit(family, query) for family, query in wrong.items()
+                 if query != gold and not self.verify(query, gold)]
+        return found + [Exploit("reordered rows", f"SELECT * FROM ({gold}) ORDER BY 1 DESC", "variant")]
 
 
 @lru_cache(maxsize=4096)

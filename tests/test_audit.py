@@ -1,0 +1,97 @@
+"""The reward audit (posttrain.scoring.audit): every built-in environment passes its own
+audit, and hackable rewards planted by import path or by option are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from posttrain.envs import get_env
+from posttrain.scoring.audit import audit_stage
+
+BUILT_IN = [("arithmetic", {}, {"correctness": 1.0, "digits": 0.5}, ["unparseable"]),
+            ("arithmetic", {"answer": "last_number"}, {"correctness": 1.0}, []),
+            ("sql", {}, {"correctness": 1.0}, []),
+            ("calculator", {}, {"correctness": 1.0, "tool_errors": 0.2}, []),
+            ("sql_tools", {}, {"correctness": 1.0}, []),
+            ("retrieval", {"towns": 40, "heldout_size": 10}, {"correctness": 1.0}, [])]
+
+ROWS = {"numeric": [("How many legs have 3 spiders?", "24"), ("What is 7 * 6?", "42"), ("What is 1.5 + 2?", "3.5")],
+        "exact": [("Capital of France?", "Paris"), ("Opposite of hot?", "cold")],
+        "math": [("Solve x + 1 = 3.", "2"), ("What is 1/2 + 1/4?", "\\frac{3}{4}")],
+        "choice": [("Which is a fruit? A) stone B) apple C) iron D) salt", "B"),
+                   ("Which is red? A) blood B) sky C) grass D) snow", "A")]}
+
+
+def dataset(tmp_path, verifier: str, **options):
+    (tmp_path / "custom").mkdir(exist_ok=True)
+    for split in ("train", "heldout"):
+        rows = ROWS[verifier] if split == "train" else [(f"held {q}", a) for q, a in ROWS[verifier][:1]]
+        (tmp_path / "custom" / f"{verifier}-{split}.jsonl").write_text(
+            "".join(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in rows))
+    return get_env("dataset", train=f"custom/{verifier}-train.jsonl", heldout=f"custom/{verifier}-heldout.jsonl",
+                   verifier=verifier, **options)
+
+
+@pytest.mark.parametrize("name, options, rewards, guardrails", BUILT_IN)
+def test_every_built_in_environment_passes_its_own_audit(name, options, rewards, guardrails):
+    env = get_env(name, **options)
+    report = audit_stage("s", env, rewards, guardrails, env.generate(0)["train"])
+    assert report.rows == 32 and report.exploits > 300
+    assert report.breaches == [], [b.line("s") for b in report.breaches]
+
+
+@pytest.mark.parametrize("verifier", ["numeric", "exact", "math", "choice"])
+def test_the_dataset_verifiers_pass_their_own_audit(tmp_path, monkeypatch, verifier):
+    monkeypatch.chdir(tmp_path)
+    env = dataset(tmp_path, verifier)
+    report = audit_stage("s", env, {"correctness": 1.0}, ["unparseable"], env.generate(0)["train"])
+    assert report.breaches == [], [b.line("s") for b in report.breaches]
+
+
+PLANTED = [  # (environment, its options or a dataset verifier, the stage's rewards, guardrails, a family that breaks it)
+    ("arithmetic", {}, {"planted_rewards:anywhere": 1.0}, [], "several answers"),
+    ("arithmetic", {}, {"parseable": 1.0}, [], "wrong answer"),
+    ("arithmetic", {}, {"planted_rewards:has_number": 1.0}, [], "wrong answer"),
+    ("arithmetic", {}, {"planted_rewards:starts_with_answer": 1.0}, [], "right then wrong"),
+    ("arithmetic", {}, {"planted_rewards:longer_is_better": 1.0}, [], "very long"),
+    ("arithmetic", {}, {"planted_rewards:constant": 1.0}, [], "empty"),
+    ("arithmetic", {}, {"length": 1.0}, [], "empty"),
+    ("arithmetic", {}, {"planted_rewards:last_line": 1.0}, [], "several answers"),
+    ("sql", {}, {"planted_rewards:sql_overlap": 1.0}, [], "tautology"),
+    (("dataset", "numeric"), {"tolerance": 1e9}, {"correctness": 1.0}, [], "wrong answer"),
+    (("dataset", "choice"), {}, {"planted_rewards:first_letter": 1.0}, [], "every candidate"),
+    (("dataset", "exact"), {"answer_pattern": "(\\w+)"}, {"correctness": 1.0}, [], "right then wrong"),
+]
+
+
+@pytest.mark.parametrize("name, options, rewards, guardrails, family", PLANTED,
+                         ids=[f"{p[2]}-{p[4]}".replace(" ", "_") for p in PLANTED])
+def test_a_planted_hackable_reward_is_refused(tmp_path, monkeypatch, name, options, rewards, guardrails, family):
+    monkeypatch.chdir(tmp_path)
+    env = dataset(tmp_path, name[1], **options) if isinstance(name, tuple) else get_env(name, **options)
+    report = audit_stage("s", env, rewards, guardrails, env.generate(0)["train"])
+    families = {b.family for b in report.breaches}
+    assert family in families, (family, sorted(families))
+    line = report.breaches[0].line("s")
+    assert line.startswith("grpo.s.rewards: the `") and "e.g." in line and "\n" not in line
+
+
+def test_the_audit_command_passes_the_default_and_refuses_a_format_reward_in_one_line(tmp_path):
+    import yaml
+
+    from conftest import REPO, sh
+
+    done = sh("posttrain", "audit", "--config", REPO / "configs" / "pipeline.yaml", "--out", tmp_path / "r" / "a.json",
+              cwd=tmp_path)
+    assert done.stdout.startswith("grpo.dense: audit passed (") and done.returncode == 0
+    report = json.loads((tmp_path / "r" / "a.json").read_text())
+    assert all(stage["passed"] and stage["exploits"] > 300 for stage in report.values())
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"extends": str(REPO / "configs" / "pipeline.yaml"),
+                                   "grpo": {"dense": {"rewards": {"correctness": 0.0, "digits": 0.0, "parseable": 1.0}}}}))
+    done = sh("posttrain", "audit", "--config", bad, cwd=tmp_path, check=False)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert "grpo.dense.rewards: the `wrong answer` exploit scores 1.000" in done.stderr and "fix:" in done.stderr
+    assert "refused: 1 exploit family breaches it" in done.stdout
