@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: install run test test-fast docs repro bench bench-throughput bench-scaling bench-seeds bench-real smollm2 clean
+.PHONY: install run test test-fast docs repro bench bench-throughput bench-scaling bench-seeds bench-real bench-tools smollm2 clean
 
 install: $(VENV)/.installed
 
@@ -67,6 +67,10 @@ smollm2: install
 # the real model's learning result: configs/recipes/smollm2-arithmetic.yaml over seeds 0-2 (about an hour)
 bench-real: smollm2
 	$(BIN)/python bench/real_model.py $(if $(ROOT),--root $(ROOT))
+
+# the same with the calculator tool: configs/recipes/smollm2-calculator.yaml over seeds 0-2 (docs/tools.md)
+bench-tools: smollm2
+	$(BIN)/python bench/real_model.py --config configs/recipes/smollm2-calculator.yaml --root $(or $(ROOT),runs/bench-tools)
 
 clean:
 	rm -rf data artifacts checkpoints reports logs mlflow.db mlartifacts runs
