@@ -123,7 +123,7 @@ CHANGES = {
     "grpo.<g>.trainable": {"top_layers": 1}, "grpo.<g>.trl.learning_rate": 1.0e-4, "grpo.<g>.trl.beta": 0.05,
     "grpo.<g>.peft.r": 8, "grpo.dense.launcher": {"type": "in_process"},
     "gate.tolerance": 0.05, "gate.k": 4, "gate.n_samples": 8, "gate.temperature": 0.7, "gate.max_prompts": 100,
-    "gate.on_reject": "stop",
+    "gate.on_reject": "stop", "gate.episodes_backend": "vllm",
     "serving.gpu": "A100-80GB", "serving.context_length": 16384, "serving.gpu_memory_utilization": 0.9,
     "serving.tensor_parallel_size": 2, "serving.kv_dtype": "fp8", "serving.block_size": 32,
     "serving.session_lengths": [256, 1024], "serving.slo.gpu": "A100-80GB", "serving.slo.context_length": 4096,

@@ -57,7 +57,8 @@ def test_the_calculator_runs_every_stage_with_tools(tmp_path, tool_model):
     path = tmp_path / "configs" / "tools.yaml"
     path.parent.mkdir()
     served = {"load_test": {"requests": 4, "concurrency": 2, "max_num_seqs": 2}, "vllm_check": {"kv_memory_mib": 64}}
-    path.write_text(yaml.safe_dump(calculator_config(tool_model, serving=served), sort_keys=False))
+    gate = {"episodes_backend": "vllm"}  # the gates' episodes in a vLLM process (the TRL-class test keeps transformers)
+    path.write_text(yaml.safe_dump(calculator_config(tool_model, serving=served, gate=gate), sort_keys=False))
     checked = sh("posttrain", "check", "--config", path, cwd=tmp_path)
     assert "posttrain's tool-capable ChatML" in checked.stdout + checked.stderr
     ws = tmp_path / "ws"

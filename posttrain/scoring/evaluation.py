@@ -144,12 +144,15 @@ def outcomes(samples: list[dict], n: int) -> dict:
 
 def evaluate_model(model_dir: str, env, rows: list[dict], *, n_samples: int, temperature: float,
                    ks: list[int], max_new_tokens: int, seed: int, resamples: int, backend: str = "transformers",
-                   channels: dict | None = None, limits=None) -> tuple[dict, list[dict]]:
-    """One model's held-out evaluation (see `score`); of a tool environment's episodes,
-    with what they cost (`episodes`: posttrain.scoring.episodes.episode_figures)."""
+                   channels: dict | None = None, limits=None, episodes_backend: str = "transformers",
+                   data=None) -> tuple[dict, list[dict]]:
+    """One model's held-out evaluation (see `score`); of a tool environment's episodes
+    (on `episodes_backend`; vLLM rebuilds the environment from `data`), with what they
+    cost (`episodes`: posttrain.scoring.episodes.episode_figures)."""
     if is_tool_env(env):
-        completions, episodes = sample_episodes({"model": model_dir}, env, rows, n=n_samples, temperature=temperature,
-                                                max_tokens=max_new_tokens, seed=seed, limits=limits)
+        completions, episodes = sample_tool_models({"model": model_dir}, env, rows, backend=episodes_backend,
+                                                   data=data, n=n_samples, temperature=temperature,
+                                                   max_tokens=max_new_tokens, seed=seed, limits=limits)
         (greedy, sampled), = completions.values()
         result, samples = score(env, rows, greedy, sampled, ks=ks, channels=channels, resamples=resamples, seed=seed)
         return {**result, "episodes": episode_figures(episodes["model"])}, samples
@@ -160,12 +163,14 @@ def evaluate_model(model_dir: str, env, rows: list[dict], *, n_samples: int, tem
 
 
 def pass_rates(model_dir: str, env, rows: list[dict], *, samples: int, temperature: float,
-               max_new_tokens: int, seed: int, limits=None) -> list[float]:
+               max_new_tokens: int, seed: int, limits=None, episodes_backend: str = "transformers",
+               data=None) -> list[float]:
     """Each prompt's estimated pass rate: the share of `samples` sampled completions (a
-    tool environment's: episodes) correct."""
+    tool environment's: episodes, on `episodes_backend`) correct."""
     if is_tool_env(env):
-        completions, _ = sample_episodes({"model": model_dir}, env, rows, n=samples, temperature=temperature,
-                                         max_tokens=max_new_tokens, seed=seed, limits=limits)
+        completions, _ = sample_tool_models({"model": model_dir}, env, rows, backend=episodes_backend, data=data,
+                                            n=samples, temperature=temperature, max_tokens=max_new_tokens, seed=seed,
+                                            limits=limits)
         (_, sampled), = completions.values()
         return [sum(env.verify(c, r["answer"]) for c in outs) / samples for outs, r in zip(sampled, rows)]
     model, tokenizer = load_policy(model_dir)

@@ -102,7 +102,8 @@ def filter_prompts(config, stage, env, init_dir: str, rows: list[dict]) -> tuple
     temperature = band.temperature or stage.trl.get("temperature", 1.0)
     rates = pass_rates(init_dir, env, rows, samples=band.samples, temperature=temperature,
                        max_new_tokens=stage.trl.get("max_completion_length", config.evaluate.max_new_tokens),
-                       seed=config.seed, limits=tool_limits(config))
+                       seed=config.seed, limits=tool_limits(config), episodes_backend=config.gate.episodes_backend,
+                       data=config.data)
     keep = [band.min_pass_rate < p < band.max_pass_rate for p in rates]
     if not any(keep):
         keep = [True] * len(rows)  # nothing inside the band: training on everything beats training on nothing

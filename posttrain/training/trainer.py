@@ -125,7 +125,8 @@ def gate_evaluation(model_dir: str, env, config, data_dir: str) -> dict:
     rows = read_jsonl(Path(data_dir) / "heldout.jsonl")[:gate.max_prompts]
     result, samples = evaluate_model(model_dir, env, rows, n_samples=gate.n_samples, temperature=gate.temperature,
                                      ks=[gate.k], max_new_tokens=config.evaluate.max_new_tokens, seed=config.seed,
-                                     resamples=config.stats.bootstrap_resamples, limits=tool_limits(config))
+                                     resamples=config.stats.bootstrap_resamples, limits=tool_limits(config),
+                                     episodes_backend=gate.episodes_backend, data=config.data)
     return {**result, "outcomes": outcomes(samples, gate.n_samples),
             "greedy": {"max_new_tokens": config.evaluate.max_new_tokens, "completions": [s["completion"] for s in samples]}}
 
