@@ -61,6 +61,7 @@ def engine(job: dict, model_dir: str, max_model_len: int):
 def episodes(job: dict) -> dict:
     """A tool environment's greedy and sampled episodes for each model: posttrain's episode
     loop, every round's replies from the engine (one request per episode, its own seed)."""
+    import torch
     from vllm import SamplingParams
 
     from posttrain.chat import load_tokenizer, tool_ready
@@ -80,11 +81,16 @@ def episodes(job: dict) -> dict:
         gc.collect()
         llm = engine(job, model_dir, longest + job["max_tokens"] + 8)
         requests = iter(range(10**9))
+        # a seed per request, where the engine can keep one: vLLM's CPU backend fails a seeded request
+        # whose long prompt it prefills in chunks ("CPU Generator does not use offset"); there the
+        # engine's own seed orders the samples (the same job samples the same episodes)
+        seeded = torch.cuda.is_available()
 
         def replies(temperature):
             def generate(prompts, budget):
                 params = [SamplingParams(temperature=temperature, max_tokens=budget, stop_token_ids=stops,
-                                         seed=job["seed"] * 1_000_003 + next(requests)) for _ in prompts]
+                                         seed=job["seed"] * 1_000_003 + next(requests) if seeded else None)
+                          for _ in prompts]
                 done = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
                 return [_ended(list(o.outputs[0].token_ids), o.outputs[0].finish_reason, stops) for o in done]
             return generate
