@@ -237,4 +237,4 @@ def test_custom_code_runs_in_a_run_and_editing_it_reruns_the_stages(project):
     status = yaml.safe_load(sh("dvc", "status", "--json", cwd=ws).stdout)
     changed = {name for name, changes in status.items()
                if any("custom" in (c.get("changed deps") or {}) for c in changes if isinstance(c, dict))}
-    assert changed == {"prepare", "sft", "grpo@dense", "evaluate"}, status  # serving builds no environment
+    assert changed == {"prepare", "sft", "grpo@dense", "serving", "evaluate"}, status  # serving sizes the episodes

@@ -165,6 +165,12 @@ def stop_ids(tokenizer) -> list[int]:
     return sorted(set(stops + ([end] if isinstance(end, int) and end != tokenizer.unk_token_id else [])))
 
 
+def ended_reply(ids: list[int], finish_reason: str | None, stops: list[int]) -> list[int]:
+    """A vLLM reply's token ids with its end-of-turn token when it ended on one (some
+    outputs leave it out), so `take` sees an answer that ended, not one cut short."""
+    return ids + stops[:1] if finish_reason == "stop" and stops and (not ids or ids[-1] not in stops) else ids
+
+
 def as_record(episode: Episode) -> dict:
     """An episode as JSON (what a vLLM sampling process sends back)."""
     return {"messages": episode.messages, "prompt_tokens": episode.prompt_tokens, "tokens": episode.tokens,

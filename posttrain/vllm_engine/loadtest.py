@@ -110,7 +110,7 @@ async def _replay(url: str, tokenizer, env, rows: list[dict], *, concurrency: in
     import httpx
 
     from posttrain.envs.tools import guard
-    from posttrain.scoring.episodes import prompt_ids, start, stop_ids, take
+    from posttrain.scoring.episodes import ended_reply, prompt_ids, start, stop_ids, take
 
     factory, stops = guard(env.episode, limits), stop_ids(tokenizer)
     max_turns, system = getattr(env, "max_turns", 8), getattr(env, "system", None)
@@ -134,9 +134,7 @@ async def _replay(url: str, tokenizer, env, rows: list[dict], *, concurrency: in
                     if choice is None:
                         ok = False
                         break
-                    reply = list(choice.get("token_ids") or [])
-                    if choice.get("finish_reason") == "stop" and stops and (not reply or reply[-1] not in stops):
-                        reply.append(stops[0])  # vLLM leaves the stop token out of some outputs
+                    reply = ended_reply(list(choice.get("token_ids") or []), choice.get("finish_reason"), stops)
                     peak = max(peak, len(ids) + len(reply))
                     take(tokenizer, episode, reply[:budget], ids, max_tokens=max_tokens, max_turns=max_turns)
                     if not episode.done and episode.tokens >= max_tokens:

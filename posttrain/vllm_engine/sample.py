@@ -68,7 +68,7 @@ def episodes(job: dict) -> dict:
     from posttrain.config import DataSection
     from posttrain.envs import config_env
     from posttrain.envs.tools import ToolLimits
-    from posttrain.scoring.episodes import as_record, play, prompt_ids, start, stop_ids
+    from posttrain.scoring.episodes import as_record, ended_reply, play, prompt_ids, start, stop_ids
 
     env, limits = config_env(DataSection.model_validate(job["data"])), ToolLimits(**job["limits"])
     out = {}
@@ -92,7 +92,7 @@ def episodes(job: dict) -> dict:
                                          seed=job["seed"] * 1_000_003 + next(requests) if seeded else None)
                           for _ in prompts]
                 done = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-                return [_ended(list(o.outputs[0].token_ids), o.outputs[0].finish_reason, stops) for o in done]
+                return [ended_reply(list(o.outputs[0].token_ids), o.outputs[0].finish_reason, stops) for o in done]
             return generate
 
         settings = {"max_tokens": job["max_tokens"], "limits": limits, "batch_size": 10**6}
@@ -103,11 +103,6 @@ def episodes(job: dict) -> dict:
                      "sampled": [[as_record(e) for e in group] for group in sampled]}
         del llm
     return out
-
-
-def _ended(ids: list[int], finish_reason: str | None, stops: list[int]) -> list[int]:
-    """A reply's token ids with its end-of-turn token when it ended on one (some vLLM outputs leave it out)."""
-    return ids + stops[:1] if finish_reason == "stop" and stops and (not ids or ids[-1] not in stops) else ids
 
 
 def run_job(job: dict) -> dict:
