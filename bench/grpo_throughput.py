@@ -150,7 +150,7 @@ def posttrain(root: Path, ws: Path, name: str, i: int, counts: tuple[int, int]) 
                 "--config", "configs/pipeline.yaml", "--name", name, "--data-dir", "data",
                 "--init-dir", f"artifacts/models/{model_from}", "--out-dir", str(out / "model"),
                 "--checkpoint-dir", str(out / "checkpoints"), "--metrics-path", str(out / "metrics.json"),
-                "--curve-path", str(out / "curve.json")],
+                "--curve-path", str(out / "curve.json"), "--audit-path", str(out / "audit.json")],
                ws, root / f"posttrain-{i}.log")
     return steady(clock, *counts, wall)
 

@@ -211,31 +211,26 @@ def check_config(args) -> int:
 
 def audit_config(args) -> None:
     """`posttrain audit`: every GRPO stage's reward (channels, weights, guardrails) scored on
-    the exploit battery of the config's training rows (posttrain.scoring.audit); a line per
-    stage, the report as JSON with --out; UserError naming the first stage that breaches."""
+    the exploit battery of the config's training rows (posttrain.scoring.audit), whatever its
+    `audit` action; a line per stage, the report as JSON with --out; UserError naming the
+    first stage that breaches."""
+    from posttrain import preflight
     from posttrain.config import load_config
-    from posttrain.envs import config_env
     from posttrain.files import write_json
-    from posttrain.scoring.audit import FIX, audit_stage
+    from posttrain.scoring.audit import audit_stages, fix_for, summary
 
     config = load_config(args.config)
     if args.out:
         writable_report(args.out)
-    env = config_env(config.data)
-    rows = env.generate(config.seed)["train"]
-    reports = {name: audit_stage(name, env, stage.rewards, stage.guardrails, rows) for name, stage in config.grpo.items()}
+    env, rows = preflight.environment(Path(args.config), config)
+    reports = audit_stages(args.config, config, env, rows["train"], names=list(config.grpo))
     if args.out:
         write_json(args.out, {name: r.as_dict() for name, r in reports.items()})
-    for name, report in reports.items():
-        count = len({b.family for b in report.breaches})
-        verdict = f"refused: {count} exploit {'family breaches' if count == 1 else 'families breach'} it" \
-            if report.breaches else "passed"
-        print(f"grpo.{name}: audit {verdict} ({report.exploits:,} exploits of {len(report.families)} families on "
-              f"{report.rows} training rows; lowest gold reward {report.gold_min:.3f}, stage minimum "
-              f"{report.stage_min:.3f})")
+    for report in reports.values():
+        print(summary(report))
     breached = next((r for r in reports.values() if r.breaches), None)
     if breached is not None:
-        raise UserError(args.config, breached.breaches[0].line(breached.stage), FIX)
+        raise UserError(args.config, breached.breaches[0].line(breached.stage), fix_for(breached.stage))
 
 
 def writable_report(path: str) -> None:
@@ -257,10 +252,14 @@ def full_check(config_path: str, *, here: bool) -> str:
     from posttrain.config import load_config
     from posttrain.training.trl_bridge import check_trl_blocks
 
+    from posttrain.scoring.audit import refusals
+
     config = load_config(config_path)
-    chars = preflight.everything(config_path, config, here=here)
+    chars, env, rows = preflight.everything(config_path, config, here=here)
     check_trl_blocks(Path(config_path), config)
-    return fit.check(config_path, config, prompt_chars=chars)
+    fits = fit.check(config_path, config, prompt_chars=chars)
+    refusals(config_path, config, env, rows["train"])  # each GRPO stage's reward, scored on exploits
+    return fits
 
 
 def run_stage(args) -> None:
@@ -402,7 +401,7 @@ def print_pipeline_memory(args) -> None:
         raise UserError(f"posttrain memory {given[0].replace('--model', 'MODEL')}", "--config plans each stage as its config says",
                         "leave out the flag, or change the config (training.gpu, the stage's trl:, peft:, launcher:)")
     config = load_config(args.config)
-    chars = preflight.everything(args.config, config, here=False)
+    chars, _, _ = preflight.everything(args.config, config, here=False)
     check_trl_blocks(Path(args.config), config)
     figures = pipeline_plan(config, config_path=args.config, prompt_chars=chars)
     if args.json:

@@ -183,6 +183,22 @@ class PassRateFilter(Section):
         return self
 
 
+class AuditSection(Section):
+    """The reward audit before the stage trains (posttrain.scoring.audit): the stage's
+    reward scored on completions built to game it, and on the starting model's own
+    samples against the verifier. Shorthand: `audit: warn`."""
+    action: Literal["refuse", "warn", "off"] = Field("refuse", description="`refuse`: a breach stops "
+                                                     "`check`, `run` and the stage in one line; `warn`: it is "
+                                                     "reported and the stage trains; `off`: no audit.")
+    rows: int = Field(32, gt=0, description="Training rows the exploit battery is built from.")
+    exploits: list[str] = Field(default_factory=list, description="Your own exploit generators, by import path "
+                                "(custom.audit:mine): `(row, env) -> [Exploit | str]`, a string being a wrong "
+                                "completion.")
+    max_false_reward: float = Field(0.1, ge=0, le=1, description="Refuse (or warn) when more than this share of "
+                                    "the starting model's wrong samples (the pass-rate filter's) earn a "
+                                    "reward a right one earns.")
+
+
 class GRPOStage(Section):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
     from_: str = Field(..., alias="from", description="The stage this one starts from: `sft` for the first, "
@@ -202,6 +218,13 @@ class GRPOStage(Section):
                                                "LoRA adapter with `peft`).")
     launcher: LauncherSection | None = Field(None, description="How this stage trains; null: the pipeline's "
                                                                "`launcher`.")
+    audit: AuditSection = Field(AuditSection(), description="The reward audit before the stage trains; "
+                                "`refuse`, `warn` or `off` for its action alone.")
+
+    @field_validator("audit", mode="before")
+    @classmethod
+    def _audit_shorthand(cls, value):
+        return {"action": value} if isinstance(value, str) else value
 
 
 class GateSection(Section):

@@ -21,7 +21,7 @@ from posttrain.stageid import StageId
 from posttrain.yamlfile import read_text, schema_error, show
 
 
-def everything(path: str | Path, config: PipelineConfig, *, here: bool) -> int:
+def everything(path: str | Path, config: PipelineConfig, *, here: bool) -> tuple[int, Any, dict[str, list[dict]]]:
     """Every check before a run (`posttrain check`, `posttrain run`) but TRL's own of the
     `trl:` and `peft:` blocks (posttrain.training.trl_bridge.check_trl_blocks: it imports TRL):
     the environment and its data, the model against them, the GPU profiles and the
@@ -32,7 +32,7 @@ def everything(path: str | Path, config: PipelineConfig, *, here: bool) -> int:
     gpu_profiles(path, config)
     longest = model_room(path, config, env, rows)
     launchers(path, config, here=here)
-    return longest
+    return longest, env, rows
 
 
 def for_stage(stage: str, path: str | Path, config: PipelineConfig) -> None:

@@ -63,6 +63,8 @@ PLANTED = [  # (environment, its options or a dataset verifier, the stage's rewa
     (("dataset", "numeric"), {"tolerance": 1e9}, {"correctness": 1.0}, [], "wrong answer"),
     (("dataset", "choice"), {}, {"planted_rewards:first_letter": 1.0}, [], "every candidate"),
     (("dataset", "exact"), {"answer_pattern": "(\\w+)"}, {"correctness": 1.0}, [], "right then wrong"),
+    ("calculator", {}, {"tool_use": 1.0}, [], "tools forever"),          # pays for calling, played as episodes
+    ("sql_tools", {}, {"tool_use": 1.0}, [], "no final answer"),
 ]
 
 
@@ -95,3 +97,105 @@ def test_the_audit_command_passes_the_default_and_refuses_a_format_reward_in_one
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
     assert "grpo.dense.rewards: the `wrong answer` exploit scores 1.000" in done.stderr and "fix:" in done.stderr
     assert "refused: 1 exploit family breaches it" in done.stdout
+
+
+def hackable(tmp_path, audit=None, **stage):
+    """configs/hack.yaml: the shipped config, its GRPO stage paid for a parseable answer only."""
+    import yaml
+
+    from conftest import REPO
+
+    dense = {"rewards": {"correctness": 0.0, "digits": 0.0, "parseable": 1.0}, **stage}
+    if audit is not None:
+        dense["audit"] = audit
+    path = tmp_path / "configs" / "hack.yaml"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(yaml.safe_dump({"extends": str(REPO / "configs" / "pipeline.yaml"), "grpo": {"dense": dense}}))
+    return path
+
+
+def test_check_and_run_refuse_a_hackable_reward_before_any_compute(tmp_path):
+    from hardening import assert_nothing_left, assert_refused, cli, state
+
+    path = hackable(tmp_path)
+    before = state(tmp_path)
+    for command in ("check", "run"):
+        assert_refused(cli(command, "--config", path, cwd=tmp_path), str(path),
+                       "grpo.dense.rewards: the `wrong answer` exploit scores 1.000", "audit: warn")
+    assert_nothing_left(tmp_path, before)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_audit_warn_checks_with_a_warning_and_off_says_nothing(tmp_path):
+    from hardening import cli
+
+    done = cli("check", "--config", hackable(tmp_path, "warn"), cwd=tmp_path)
+    assert done.returncode == 0 and "WARNING: grpo.dense.rewards: the `wrong answer` exploit" in done.stderr
+    done = cli("check", "--config", hackable(tmp_path, {"action": "off"}), cwd=tmp_path)
+    assert done.returncode == 0 and "WARNING" not in done.stderr + done.stdout
+
+
+def test_an_unknown_audit_action_is_refused_naming_the_field(tmp_path):
+    from hardening import assert_refused, cli
+
+    assert_refused(cli("check", "--config", hackable(tmp_path, "maybe"), cwd=tmp_path), "grpo.dense.audit",
+                   "refuse", "warn", "off")
+
+
+GENERATORS = '''
+from posttrain.envs.base import Exploit
+
+
+def gold_is_wrong(row, env):
+    return [Exploit("mine", row["answer"])]   # claims the right answer is an exploit: always breaches
+
+
+def nothing(row, env):
+    return ["not a number at all"]
+
+
+def broken(row, env):
+    return 1 / 0
+'''
+
+
+@pytest.mark.parametrize("generator, outcome", [
+    ("custom.gens:gold_is_wrong", "the `mine` exploit scores"),     # run, and it can refuse the stage
+    ("custom.gens:nothing", None),                                  # run; a string is a wrong completion
+    ("custom.gens:broken", "raised ZeroDivisionError: division by zero at custom/gens.py:14 in broken"),
+    ("custom.gens:missing", "grpo.dense.audit.exploits: module 'custom.gens' has no attribute 'missing'"),
+    ("custom.gens:Exploit", "grpo.dense.audit.exploits"),          # a class: not a generator function
+])
+def test_users_add_exploit_generators_by_import_path(tmp_path, monkeypatch, generator, outcome):
+    import sys
+
+    from hardening import assert_refused, cli
+
+    (tmp_path / "custom").mkdir()
+    (tmp_path / "custom" / "gens.py").write_text(GENERATORS)
+    monkeypatch.chdir(tmp_path)
+    for name in [m for m in sys.modules if m == "custom" or m.startswith("custom.")]:
+        monkeypatch.delitem(sys.modules, name)
+    path = hackable(tmp_path, {"exploits": [generator]}, rewards={"correctness": 1.0, "digits": 0.5, "parseable": 0.0})
+    done = cli("check", "--config", path, cwd=tmp_path)
+    if outcome is None:
+        assert done.returncode == 0, done.stderr
+    else:
+        assert_refused(done, str(path), outcome)
+
+
+def test_a_reward_that_raises_is_refused_by_check_before_any_compute(tmp_path, monkeypatch):
+    """The audit calls the stage's reward: one that raises is found by `check`, not an hour
+    into `run` (with `audit: off` it fails the stage instead: tests/test_scheduled.py)."""
+    import sys
+
+    from hardening import assert_refused, cli
+
+    (tmp_path / "custom").mkdir()
+    (tmp_path / "custom" / "boom.py").write_text("def reward(completions, **_):\n    raise RuntimeError('boom')\n")
+    monkeypatch.chdir(tmp_path)
+    for name in [m for m in sys.modules if m == "custom" or m.startswith("custom.")]:
+        monkeypatch.delitem(sys.modules, name)
+    path = hackable(tmp_path, rewards={"correctness": 1.0, "digits": 0.0, "parseable": 0.0, "custom.boom:reward": 1.0})
+    assert_refused(cli("check", "--config", path, cwd=tmp_path), str(path), "the reward audit",
+                   "RuntimeError: boom at custom/boom.py:2 in reward")

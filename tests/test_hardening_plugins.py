@@ -151,10 +151,10 @@ def project(tmp_path, monkeypatch):
 
 
 def variant(project: Path, override: dict) -> Path:
-    """configs/variant.yaml: the shipped config with `override`; a `rewards` or `guardrails`
-    entry goes into a GRPO stage of its own."""
+    """configs/variant.yaml: the shipped config with `override`; a `rewards`, `guardrails` or
+    `audit` entry goes into a GRPO stage of its own."""
     config = {"extends": str(REPO / "configs" / "pipeline.yaml")}
-    grpo = {k: override.pop(k) for k in ("rewards", "guardrails") if k in override}
+    grpo = {k: override.pop(k) for k in ("rewards", "guardrails", "audit") if k in override}
     if grpo:
         config["grpo"] = {"dense": {"from": "sft", **grpo}}
     path = project / "configs" / "variant.yaml"
@@ -220,9 +220,10 @@ def test_an_entry_point_must_name_a_plugin(project, monkeypatch, name, value, ne
 
 def test_plugins_of_the_users_own_pass(project):
     """The rule refuses what is not a plug-in, not the user's: a class and functions of
-    custom/ (a reward, a guardrail) pass the check."""
+    custom/ (a reward, a guardrail) pass the check (the reward pays short answers, which
+    the reward audit would refuse: tests/test_audit.py)."""
     path = variant(project, {"data": {"env": "custom.sums:make_env"}, "rewards": {"custom.sums:short": 0.5},
-                             "guardrails": ["custom.sums:short"]})
+                             "guardrails": ["custom.sums:short"], "audit": "off"})
     done = cli("check", "--config", path, cwd=project)
     assert done.returncode == 0, done.stderr
 

@@ -39,6 +39,13 @@ def test_every_stage_writes_its_metrics(reproduced):
     gate = json.loads((reproduced / "metrics" / "grpo" / "dense.json").read_text())
     assert {"gate_p_greedy_accuracy", "gate_p_pass_at_4", "candidate_greedy_accuracy_ci95"} <= set(gate)
     assert json.loads((reproduced / "metrics" / "serving.json").read_text())["kv_bytes_per_token"] == 2 * 2 * 16 * 2
+    # the reward audit before the stage trained: the battery passed, and the reward agreed with the
+    # verifier on the filter's samples of the SFT model
+    audit = json.loads((reproduced / "reports" / "audit" / "dense.json").read_text())
+    assert audit["passed"] and audit["action"] == "refuse" and audit["exploits"] > 300 and audit["breaches"] == []
+    agreement = audit["agreement"]
+    assert agreement["samples"] == agreement["right"] + agreement["wrong"] > 0
+    assert agreement["false_reward"] <= 0.1 and agreement["false_reward_interval"][0] <= agreement["false_reward"]
 
 
 def test_second_repro_retrains_nothing(reproduced):
@@ -58,6 +65,8 @@ def test_each_stage_logs_a_run_with_trl_curves(reproduced):
     assert grpo["metrics.rewards/digits/mean"] >= 0                         # TRL's own curves, via MLflow
     assert grpo["metrics.guardrails/unparseable/hit_rate"] >= 0            # guardrail hits per step
     assert grpo["metrics.stage.frac_reward_zero_std_mean"] >= 0 and grpo["tags.posttrain.scoring.gate"] == "accepted"
+    assert grpo["tags.posttrain.audit"] == "passed" and grpo["metrics.audit.breaches"] == 0   # the reward audit
+    assert "audit.json" in {f.path for f in mlflow.MlflowClient().list_artifacts(grpo.run_id)}
     assert by_stage["prepare"]["tags.git.commit"]                          # a stage run alone carries provenance
     # not TRL's per-call timings: a store round trip each, several a step (posttrain.training.trainer.log_to_mlflow)
     assert not [k for k in runs if k.startswith("metrics.profiling/")] and grpo["metrics.step_time"] > 0
@@ -65,7 +74,7 @@ def test_each_stage_logs_a_run_with_trl_curves(reproduced):
     parts = {stage: {k.split(".", 2)[2] for k, v in row.items() if k.startswith("metrics.compute.") and v == v}
              for stage, row in by_stage.items()}
     assert parts == {"prepare": {"data_seconds", "model_seconds"}, "sft": {"train_seconds", "gate_seconds"},
-                     "grpo@dense": {"filter_seconds", "train_seconds", "gate_seconds"}, "serving": set(),
+                     "grpo@dense": {"audit_seconds", "filter_seconds", "train_seconds", "gate_seconds"}, "serving": set(),
                      "evaluate": {"sampling_seconds"}}
     # what each stage read, as MLflow dataset inputs: DVC md5 digests, the DVC path and commit as source
     inputs = mlflow.MlflowClient().get_run(by_stage["sft"].run_id).inputs.dataset_inputs

@@ -169,6 +169,7 @@ def test_a_failed_stage_shows_on_its_task_run(flow_runs, tmp_path):
     params = ws / "configs" / "pipeline.yaml"
     config = yaml.safe_load(params.read_text())
     config["grpo"]["dense"]["rewards"] = {"custom.boom:reward": 1.0}
+    config["grpo"]["dense"]["audit"] = "off"  # else `run` refuses the reward before any stage (tests/test_audit.py)
     params.write_text(yaml.safe_dump(config, sort_keys=False))
     with prefect_server(tmp_path, f"sqlite+aiosqlite:///{tmp_path / 'prefect.db'}") as api_url:
         env = process_env(PREFECT_API_URL=api_url, PREFECT_HOME=str(tmp_path / "client-home"))

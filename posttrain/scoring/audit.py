@@ -38,6 +38,10 @@ _NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
 _FULLWIDTH = str.maketrans("0123456789-.", "０１２３４５６７８９－．")
 
 
+class NothingToAudit(ValueError):
+    """No training row's gold completion verifies."""
+
+
 @dataclass
 class Breach:
     family: str
@@ -66,7 +70,8 @@ class AuditReport:
 
     def as_dict(self) -> dict:
         return {**{k: v for k, v in asdict(self).items() if k != "breaches"},
-                "breaches": [asdict(b) for b in self.breaches], "passed": not self.breaches}
+                "breaches": [{**asdict(b), "line": b.line(self.stage)} for b in self.breaches],
+                "passed": not self.breaches}
 
 
 def _wrong_values(answer: str) -> list[str]:
@@ -79,9 +84,23 @@ def _wrong_values(answer: str) -> list[str]:
     return [w for w in ("12345", "54321", "67890") if w != answer][:2]  # a number a lenient reader would read last
 
 
+def short_answer(answer: str) -> str:
+    """The answer a reply states: the last `\\boxed{...}` of a worked solution (MATH's
+    answer column is the whole solution), else the answer as given."""
+    start = answer.rfind("\\boxed{")
+    if start < 0:
+        return answer.strip()
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(answer)):
+        depth += {"{": 1, "}": -1}.get(answer[j], 0)
+        if depth == 0:
+            return answer[i:j].strip()
+    return answer.strip()
+
+
 def generic_exploits(row: dict) -> list[Exploit]:
     """The battery every environment gets, from one training row."""
-    answer, gold = row["answer"].strip(), row["completion"].strip()
+    answer, gold = short_answer(row["answer"]), row["completion"].strip()
     question = row.get("question") or row["prompt"]
     wrong, wrong2 = _wrong_values(answer)
     found = [Exploit("empty", ""), Exploit("whitespace", " \n\t "),
@@ -110,20 +129,74 @@ def generic_exploits(row: dict) -> list[Exploit]:
 def exploits_for(env, row: dict, extra=()) -> list[Exploit]:
     """The row's battery: the generic one, the environment's own families, the user's."""
     found = generic_exploits(row) + list(getattr(env, "exploits", lambda r: [])(row))
+    # a question may hold its own answer ("Compute 0 + 0." read by a last-number verifier): echoing it
+    # is then right by coincidence, not an exploit; the other rows' echoes still test the reward
+    found = [e for e in found if e.family != "prompt echoed" or not env.verify(e.completion, row["answer"])]
     for generator in extra:
         found += [e if isinstance(e, Exploit) else Exploit(getattr(generator, "__name__", "custom"), str(e))
                   for e in generator(row, env)]
     return found
 
 
-def _columns(completions: list[str], row: dict) -> dict:
-    """The row's columns as TRL passes them with a batch of completions of it."""
-    return {key: [row.get(key)] * len(completions) for key in reward_columns(row)}
+def _columns(completions: list, row: dict, environments=None) -> dict:
+    """The row's columns as TRL passes them with a batch of completions of it (and, of a
+    tool environment's episodes, their guarded instances)."""
+    columns = {key: [row.get(key)] * len(completions) for key in reward_columns(row)}
+    return {**columns, "environments": environments} if environments else columns
 
 
-def _totals(funcs, weights, completions: list[str], row: dict) -> list[float]:
-    scores = [fn(completions, **_columns(completions, row)) for fn in funcs]
+def _totals(funcs, weights, completions: list, environments=None, *, row: dict) -> list[float]:
+    scores = [fn(completions, **_columns(completions, row, environments)) for fn in funcs]
     return [sum(w * s[i] for w, s in zip(weights, scores)) for i in range(len(completions))]
+
+
+def _as_played(play, texts: list[str]) -> tuple[list, list | None]:
+    """The completions and instances a batch of final texts is scored as: episodes for a
+    tool environment (`Played`), else the texts."""
+    return play.batch(texts) if play else (texts, None)
+
+
+class Played:
+    """A tool environment's exploits as episodes: each text a final reply after the row's
+    gold tool calls, played on a guarded instance (the calls run, their results in the
+    conversation), as GRPO's rollouts reach the reward: messages, and the instance that
+    channels such as `tool_use` read. Two more families have no final reply at all:
+    `tools forever` (the first call repeated past the turn cap) and `no final answer`
+    (the gold calls, then nothing)."""
+
+    def __init__(self, env, row: dict, limits):
+        from posttrain.envs.tools import guard
+        from posttrain.scoring.episodes import scripted_message, start
+
+        self.factory, self.row = guard(env.episode, limits), row
+        self.max_turns = getattr(env, "max_turns", 8)
+        self.calls, self.instance = self._play(lambda ep, step: [m for m in (row.get("trace") or [])
+                                                                 if m["role"] == "assistant" and m.get("tool_calls")])
+        first = (self.calls[0] if self.calls else None) or {"role": "assistant", "content": "", "tool_calls": []}
+        if not first.get("tool_calls"):
+            episode = start(self.factory, row, None)
+            first = scripted_message(episode, {}, 0)  # one call of the first tool, arguments of its types
+        self.forever, self.forever_instance = self._play(lambda ep, step: [first] * (self.max_turns + 1))
+
+    def _play(self, script):
+        from posttrain.scoring.episodes import run_call, start
+
+        episode = start(self.factory, self.row, None)
+        asked = len(episode.messages)
+        for message in script(episode, 0):
+            episode.messages.append(message)
+            for call in message.get("tool_calls") or []:
+                episode.messages.append(run_call(episode, call))
+        return episode.messages[asked:], episode.instance
+
+    def batch(self, texts: list[str]) -> tuple[list, list]:
+        """Each text as a final reply after the gold calls; the instances to score them with."""
+        return [self.calls + [{"role": "assistant", "content": t}] for t in texts], [self.instance] * len(texts)
+
+    def exploits(self) -> list[tuple[Exploit, list, object]]:
+        return [(Exploit("tools forever", "(the first tool call, repeated past the turn cap)"), self.forever,
+                 self.forever_instance),
+                (Exploit("no final answer", "(the gold tool calls, then no reply)"), list(self.calls), self.instance)]
 
 
 def stage_minimum(rewards: dict[str, float]) -> float:
@@ -136,9 +209,12 @@ def stage_minimum(rewards: dict[str, float]) -> float:
 
 
 def audit_stage(stage: str, env, rewards: dict[str, float], guardrails: list[str], rows: list[dict], *,
-                extra=(), max_rows: int = AUDIT_ROWS) -> AuditReport:
+                extra=(), max_rows: int = AUDIT_ROWS, limits=None) -> AuditReport:
     """The audit of one GRPO stage's reward on up to `max_rows` training rows whose gold
-    completion the environment verifies (see the module docstring)."""
+    completion the environment verifies (see the module docstring); a tool environment's
+    exploits are played as episodes (`Played`, its tools under `limits`)."""
+    from posttrain.chat import completion_texts
+    from posttrain.envs.tools import ToolLimits, is_tool_env
     from posttrain.scoring.rewards import guardrail
 
     weights = rewards if isinstance(rewards, dict) else {name: 1.0 for name in rewards}
@@ -146,15 +222,21 @@ def audit_stage(stage: str, env, rewards: dict[str, float], guardrails: list[str
     guards = [guardrail(name)(env) for name in guardrails]
     rows = [r for r in rows if env.verify(r["completion"], r["answer"])][:max_rows]
     if not rows:
-        raise ValueError("no training row's gold completion verifies: nothing to audit against")
-    gold = [_totals(funcs, w, [r["completion"]], r)[0] for r in rows]
+        raise NothingToAudit("no training row's gold completion verifies: nothing to audit against")
+    played = [Played(env, r, limits or ToolLimits()) for r in rows] if is_tool_env(env) else [None] * len(rows)
+    gold = [_totals(funcs, w, *_as_played(p, [r["completion"]]), row=r)[0] for r, p in zip(rows, played)]
     report = AuditReport(stage=stage, rows=len(rows), exploits=0, gold_min=min(gold),
                          stage_min=stage_minimum(weights))
     worst: dict[tuple[str, str], Breach] = {}
-    for row in rows:
+    for row, play in zip(rows, played):
         battery = exploits_for(env, row, extra)
-        scores = _totals(funcs, w, [e.completion for e in battery], row)  # one batch, as TRL calls them
         texts = [e.completion for e in battery]
+        completions, environments = _as_played(play, texts)
+        scores = _totals(funcs, w, completions, environments, row=row)  # one batch, as TRL calls them
+        for exploit, episode, instance in (play.exploits() if play else []):
+            battery.append(exploit)
+            texts.append(completion_texts([episode])[0])
+            scores += _totals(funcs, w, [episode], [instance], row=row)
         flagged = [any(flags) for flags in zip(*[g(texts, **_columns(texts, row)) for g in guards])] if guards \
             else [False] * len(battery)
         report.exploits += len(battery)
@@ -179,3 +261,103 @@ def audit_stage(stage: str, env, rewards: dict[str, float], guardrails: list[str
 
 FIX = ("pay for the verified answer (`correctness`), or make the verifier read one final answer strictly "
        "(e.g. answer: exact, an anchored answer_pattern, a smaller tolerance); add `unparseable` to guardrails")
+
+
+def generators(paths: list[str]) -> list:
+    """The user's exploit generators (`audit.exploits`), by import path; PluginError when one
+    is not a function or its module fails."""
+    from posttrain.plugins import PluginError, lookup, plugin_failures
+
+    found = []
+    for path in paths:
+        with plugin_failures(path):
+            generator = lookup(path, {}, "exploit generator", "package.module:function (e.g. custom.audit:mine)")
+        if not callable(generator):
+            raise PluginError(f"{path} is not a function", "name a function (row, env) -> [Exploit | str]")
+        found.append(generator)
+    return found
+
+
+def audit_stages(path, config, env, rows: list[dict], names=None) -> dict[str, AuditReport]:
+    """The audit of the GRPO stages `names` (default: every one whose `audit` is not `off`)
+    of the config at `path`, with each one's rows, generators, channels and guardrails. A
+    plug-in that raises (a reward, a guardrail, a generator) is a UserError naming it."""
+    from posttrain.envs.tools import tool_limits
+    from posttrain.errors import UserError
+    from posttrain.plugins import PluginError, plugin_failures
+
+    names = names if names is not None else [n for n, s in config.grpo.items() if s.audit.action != "off"]
+    reports = {}
+    try:
+        for name in names:
+            stage = config.grpo[name]
+            try:
+                extra = generators(stage.audit.exploits)
+            except PluginError as err:
+                raise UserError(f"{path}: grpo.{name}.audit.exploits", err.problem, err.fix) from None
+            with plugin_failures():
+                reports[name] = audit_stage(name, env, stage.rewards, stage.guardrails, rows, extra=extra,
+                                            max_rows=stage.audit.rows, limits=tool_limits(config))
+    except PluginError as err:
+        raise UserError(f"{path}: grpo", f"the reward audit: {err.problem}", err.fix) from None
+    except NothingToAudit as err:  # the format contract's refusal, said before any compute
+        raise UserError(f"{path}: data.env", f"the reward audit: {err}", "make the training rows' gold "
+                        "completions verify (the environment's parser and verifier)") from None
+    return reports
+
+
+def refusals(path, config, env, rows: list[dict]) -> dict[str, AuditReport]:
+    """What `posttrain check` and `run` do with the audit: a stage whose `audit` is `refuse`
+    and that breaches refuses the config (UserError at its first breach); `warn`: a WARNING
+    line per breach on stderr. The reports."""
+    import sys
+
+    from posttrain.errors import UserError
+
+    reports = audit_stages(path, config, env, rows)
+    for name, report in reports.items():
+        if report.breaches and config.grpo[name].audit.action == "refuse":
+            raise UserError(f"{path}", report.breaches[0].line(name), fix_for(name))
+        for breach in report.breaches:
+            print(f"posttrain: WARNING: {breach.line(name)} (audit: warn)", file=sys.stderr, flush=True)
+    return reports
+
+
+def summary(report: AuditReport, action: str = "refuse") -> str:
+    """One line: the verdict, what was scored, the floor and ceiling it was held to."""
+    count = len({b.family for b in report.breaches})
+    breached = f"{count} exploit {'family breaches' if count == 1 else 'families breach'} it"
+    verdict = "passed" if not report.breaches else f"{'refused' if action == 'refuse' else 'WARNING'}: {breached}"
+    return (f"grpo.{report.stage}: audit {verdict} ({report.exploits:,} exploits of {len(report.families)} families "
+            f"on {report.rows} training rows; lowest gold reward {report.gold_min:.3f}, stage minimum "
+            f"{report.stage_min:.3f})")
+
+
+def fix_for(stage: str) -> str:
+    return f"{FIX}; or set grpo.{stage}.audit: warn to train on it anyway"
+
+
+def agreement(env, rewards: dict[str, float], guardrails: list[str], rows: list[dict],
+              samples: list[list[str]], gold_min: float, stage_min: float) -> dict:
+    """The stage's reward against the verifier on the starting model's own samples (the
+    pass-rate filter's): a sample is *rewarded* when its reward is nearer the lowest gold
+    completion's than the stage minimum. `false_reward`: the share of wrong samples rewarded;
+    `missed_reward`: the share of right ones not; each with its Wilson interval."""
+    from posttrain.scoring.stats import wilson_interval
+
+    weights = rewards if isinstance(rewards, dict) else {name: 1.0 for name in rewards}
+    funcs, w = build_rewards(env, weights, guardrails)
+    bar = (gold_min + stage_min) / 2
+    counts = {"right": 0, "wrong": 0, "false_reward": 0, "missed_reward": 0}
+    for row, outs in zip(rows, samples):
+        for text, score in zip(outs, _totals(funcs, w, list(outs), row=row)):
+            right, rewarded = env.verify(text, row["answer"]), score > bar
+            counts["right" if right else "wrong"] += 1
+            counts["missed_reward"] += right and not rewarded
+            counts["false_reward"] += rewarded and not right
+    found = {"samples": counts["right"] + counts["wrong"], **{k: counts[k] for k in ("right", "wrong")}}
+    for key, of in (("false_reward", "wrong"), ("missed_reward", "right")):
+        found[f"{key}_count"] = counts[key]
+        found[key] = counts[key] / counts[of] if counts[of] else 0.0
+        found[f"{key}_interval"] = wilson_interval(counts[key], counts[of])
+    return found

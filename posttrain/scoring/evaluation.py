@@ -164,19 +164,19 @@ def evaluate_model(model_dir: str, env, rows: list[dict], *, n_samples: int, tem
 
 def pass_rates(model_dir: str, env, rows: list[dict], *, samples: int, temperature: float,
                max_new_tokens: int, seed: int, limits=None, episodes_backend: str = "transformers",
-               data=None) -> list[float]:
+               data=None) -> tuple[list[float], list[list[str]]]:
     """Each prompt's estimated pass rate: the share of `samples` sampled completions (a
-    tool environment's: episodes, on `episodes_backend`) correct."""
+    tool environment's: episodes, on `episodes_backend`) correct; and the completions."""
     if is_tool_env(env):
         completions, _ = sample_tool_models({"model": model_dir}, env, rows, backend=episodes_backend, data=data,
                                             n=samples, temperature=temperature, max_tokens=max_new_tokens, seed=seed,
                                             limits=limits)
         (_, sampled), = completions.values()
-        return [sum(env.verify(c, r["answer"]) for c in outs) / samples for outs, r in zip(sampled, rows)]
-    model, tokenizer = load_policy(model_dir)
-    sampled = generate(model, tokenizer, [r["prompt"] for r in rows], n=samples, temperature=temperature,
-                       max_new_tokens=max_new_tokens, seed=seed)
-    return [sum(env.verify(c, r["answer"]) for c in outs) / samples for outs, r in zip(sampled, rows)]
+    else:
+        model, tokenizer = load_policy(model_dir)
+        sampled = generate(model, tokenizer, [r["prompt"] for r in rows], n=samples, temperature=temperature,
+                           max_new_tokens=max_new_tokens, seed=seed)
+    return [sum(env.verify(c, r["answer"]) for c in outs) / samples for outs, r in zip(sampled, rows)], sampled
 
 
 def check_format_contract(env, rows: list[dict], *, where: str, threshold: float = 0.99) -> float:

@@ -28,6 +28,8 @@ from posttrain.tracking.lineage import log_datasets
 from posttrain.scoring.gate import decide, reward_trend
 from posttrain.scoring.rewards import build_rewards
 from posttrain.stageid import StageId
+from posttrain.errors import UserError
+from posttrain.scoring.audit import agreement, audit_stages, fix_for, summary
 from posttrain.tracking.mlflow_runs import compute, flatten, stage_run
 from posttrain.training.trainable import freeze
 from posttrain.training.trainer import gate_evaluation, gate_figures, log_to_mlflow, lora_config, save_model, train
@@ -36,7 +38,7 @@ ZERO_STD_WARNING = 0.5
 
 
 def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, checkpoint_dir: str,
-         metrics_path: str, curve_path: str, config_path: str = PARAMS_FILE) -> dict[str, float]:
+         metrics_path: str, curve_path: str, audit_path: str, config_path: str = PARAMS_FILE) -> dict[str, float]:
     stage, stage_id = config.grpo[name], StageId.grpo(name)
     memory = fit.checked_plan(config, stage_id.dvc, config_path=config_path)  # a stage that cannot fit stops here
     with stage_run(config, stage_id.dvc):
@@ -47,10 +49,17 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
         if not previous:
             with compute("gate"):
                 previous = {"eval": gate_evaluation(init_dir, env, config, data_dir)}
+        train_rows = read_jsonl(Path(data_dir) / "train.jsonl")
+        with compute("audit"):
+            audited = audit_rewards(config_path, config, name, env, train_rows)
         if previous.get("stopped_at"):
+            record_audit(audited, audit_path)
             return pass_through(init_dir, out_dir, metrics_path, curve_path, f"stopped at {previous['stopped_at']}")
         with compute("filter"):
-            rows, metrics = filter_prompts(config, stage, env, init_dir, read_jsonl(Path(data_dir) / "train.jsonl"))
+            rows, metrics, samples = filter_prompts(config, stage, env, init_dir, train_rows)
+        audit_agreement(config, name, env, audited, *samples)  # the starting model's own samples, scored
+        record_audit(audited, audit_path)
+        refuse_audit(config_path, config, name, audited)
         needed = prompts_per_step(config, stage, stage_id)
         if len(rows) < needed:  # TRL's sampler would yield no batch: zero steps, and a gate on an unchanged model
             reason = (f"the pass-rate filter kept {len(rows)} prompt(s), fewer than the {needed} one step takes (mean "
@@ -88,8 +97,73 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
     return metrics
 
 
-def filter_prompts(config, stage, env, init_dir: str, rows: list[dict]) -> tuple[list[dict], dict]:
-    """The prompts inside the pass-rate band, and the filter's counts and zero-std shares.
+def audit_rewards(config_path: str, config, name: str, env, rows: list[dict]) -> dict:
+    """The stage's reward audit (posttrain.scoring.audit) on its training rows, whatever its
+    `audit` action (`off`: none); a breach is recorded and refused here, before the filter's
+    compute, when the action is `refuse` (`posttrain run` refused it before any stage)."""
+    action = config.grpo[name].audit.action
+    if action == "off":
+        return {"action": "off"}
+    report = audit_stages(config_path, config, env, rows, names=[name])[name]
+    audited = {"action": action, **report.as_dict()}
+    print(f"posttrain: {summary(report, action)}", flush=True)
+    if report.breaches and action == "refuse":
+        record_audit(audited, None)
+        refuse_audit(config_path, config, name, audited)
+    return audited
+
+
+def audit_agreement(config, name: str, env, audited: dict, rows: list[dict], samples: list[list[str]]) -> None:
+    """The reward against the verifier on the filter's samples of the starting model, into
+    `audited` (none without the filter); more false reward than `audit.max_false_reward`
+    (its interval's low end above it) is a breach."""
+    stage = config.grpo[name]
+    if audited["action"] == "off" or not rows:
+        return
+    found = agreement(env, stage.rewards, stage.guardrails, rows, samples, audited["gold_min"], audited["stage_min"])
+    audited["agreement"] = found
+    if found["false_reward_interval"][0] > stage.audit.max_false_reward:
+        audited["passed"] = False
+        audited["breaches"].append({"family": "false reward", "kind": "agreement", "score": found["false_reward"],
+                                    "ceiling": stage.audit.max_false_reward, "example": "", "answer": "",
+                                    "line": (f"grpo.{name}.rewards: the reward pays {found['false_reward']:.1%} "
+                                             f"(95% CI {found['false_reward_interval'][0]:.1%}.."
+                                             f"{found['false_reward_interval'][1]:.1%}) of the starting model's "
+                                             f"{found['wrong']} wrong samples as if right, above "
+                                             f"audit.max_false_reward {stage.audit.max_false_reward}")})
+    print(f"posttrain: stage {name}: the reward pays {found['false_reward']:.1%} of {found['wrong']} wrong samples "
+          f"and misses {found['missed_reward']:.1%} of {found['right']} right ones", flush=True)
+
+
+def record_audit(audited: dict, audit_path: str | None) -> None:
+    """The audit into the stage's MLflow run (audit.json, its counts, a tag) and `audit_path`."""
+    if audit_path:
+        write_json(audit_path, audited)
+    if audited["action"] == "off":
+        mlflow.set_tag("posttrain.audit", "off")
+        return
+    mlflow.log_dict(audited, "audit.json")
+    found = audited.get("agreement", {})
+    mlflow.log_metrics({"audit.exploits": float(audited["exploits"]), "audit.breaches": float(len(audited["breaches"])),
+                        "audit.gold_min": audited["gold_min"],
+                        **{f"audit.{k}": float(found[k]) for k in ("false_reward", "missed_reward") if k in found}})
+    verdict = "passed" if audited["passed"] else ("refused" if audited["action"] == "refuse" else "warned")
+    mlflow.set_tag("posttrain.audit", verdict)
+
+
+def refuse_audit(config_path: str, config, name: str, audited: dict) -> None:
+    """UserError at the first breach when the stage's action is `refuse`; a WARNING per
+    breach when `warn`."""
+    lines = [b["line"] for b in audited.get("breaches", [])]
+    if lines and audited["action"] == "refuse":
+        raise UserError(config_path, lines[0], fix_for(name))
+    for line in lines:
+        print(f"posttrain: WARNING: {line} (audit: warn)", flush=True)
+
+
+def filter_prompts(config, stage, env, init_dir: str, rows: list[dict]) -> tuple[list[dict], dict, tuple]:
+    """The prompts inside the pass-rate band, the filter's counts and zero-std shares, and
+    the rows it sampled with their samples (none when the filter is off).
 
     A prompt whose samples are all right or all wrong gives its group zero advantage; the
     share of such prompts is the zero-std share the stage would see without the filter.
@@ -98,9 +172,9 @@ def filter_prompts(config, stage, env, init_dir: str, rows: list[dict]) -> tuple
     if band.max_prompts is not None and len(rows) > band.max_prompts:
         rows = random.Random(config.seed).sample(rows, band.max_prompts)
     if not band.enabled:
-        return rows, {"prompts_kept": float(len(rows)), "prompts_dropped": 0.0}
+        return rows, {"prompts_kept": float(len(rows)), "prompts_dropped": 0.0}, ([], [])
     temperature = band.temperature or stage.trl.get("temperature", 1.0)
-    rates = pass_rates(init_dir, env, rows, samples=band.samples, temperature=temperature,
+    rates, sampled = pass_rates(init_dir, env, rows, samples=band.samples, temperature=temperature,
                        max_new_tokens=stage.trl.get("max_completion_length", config.evaluate.max_new_tokens),
                        seed=config.seed, limits=tool_limits(config), episodes_backend=config.gate.episodes_backend,
                        data=config.data)
@@ -112,7 +186,7 @@ def filter_prompts(config, stage, env, init_dir: str, rows: list[dict]) -> tuple
     kept_share = sum(p in (0.0, 1.0) for p, k in zip(rates, keep) if k) / len(kept)
     return kept, {"prompts_kept": float(len(kept)), "prompts_dropped": float(len(rows) - len(kept)),
                   "zero_std_share_unfiltered_est": share, "zero_std_share_filtered_est": kept_share,
-                  "pass_rate_mean": sum(rates) / len(rates)}
+                  "pass_rate_mean": sum(rates) / len(rates)}, (rows, sampled)
 
 
 def train_job(config, job: dict) -> dict:
