@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: install run test test-fast docs repro bench bench-throughput bench-scaling bench-seeds bench-real bench-tools smollm2 clean
+.PHONY: install run test test-fast docs repro bench bench-throughput bench-scaling bench-seeds bench-real bench-tools bench-audit bench-hacking smollm2 clean
 
 install: $(VENV)/.installed
 
@@ -71,6 +71,14 @@ bench-real: smollm2
 # the same with the calculator tool: configs/recipes/smollm2-calculator.yaml over seeds 0-2 (docs/tools.md)
 bench-tools: smollm2
 	$(BIN)/python bench/real_model.py --config configs/recipes/smollm2-calculator.yaml --root $(or $(ROOT),runs/bench-tools)
+
+# what the reward audit adds to `posttrain check` (and so to `run`): on against `audit: off`, pair by pair
+bench-audit: install
+	$(BIN)/python bench/audit_overhead.py
+
+# a hackable SQL reward against the execution reward, same budget, seeds 0-2 (docs/audit.md)
+bench-hacking: install
+	$(BIN)/python bench/reward_hacking.py $(if $(ROOT),--root $(ROOT))
 
 clean:
 	rm -rf data artifacts checkpoints reports logs mlflow.db mlartifacts runs
