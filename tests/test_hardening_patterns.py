@@ -344,6 +344,7 @@ def test_a_grpo_stage_whose_completions_backtrack_finishes_and_counts_them(proje
                          "stop_when": None},
                  "grpo": {"dense": {"from": "sft", "rewards": {"correctness": 1.0, "format": 0.5},
                                     "guardrails": ["unparseable"], "pass_rate_filter": {"enabled": False},
+                                    "audit": "off",  # its long exploits run into the limit too: training's alone here
                                     "trl": {"max_steps": 2, "per_device_train_batch_size": 4, "num_generations": 4,
                                             "max_completion_length": 24, "generation_kwargs": {"min_new_tokens": 16},
                                             "logging_steps": 1, "save_steps": 100}}},

@@ -122,6 +122,8 @@ CHANGES = {
     "grpo.<g>.pass_rate_filter.temperature": 0.7, "grpo.<g>.pass_rate_filter.max_prompts": 50,
     "grpo.<g>.trainable": {"top_layers": 1}, "grpo.<g>.trl.learning_rate": 1.0e-4, "grpo.<g>.trl.beta": 0.05,
     "grpo.<g>.peft.r": 8, "grpo.dense.launcher": {"type": "in_process"},
+    "grpo.<g>.audit.action": "warn", "grpo.<g>.audit.rows": 16, "grpo.<g>.audit.exploits": ["custom.audit:mine"],
+    "grpo.<g>.audit.max_false_reward": 0.2,
     "gate.tolerance": 0.05, "gate.k": 4, "gate.n_samples": 8, "gate.temperature": 0.7, "gate.max_prompts": 100,
     "gate.on_reject": "stop", "gate.episodes_backend": "vllm",
     "serving.gpu": "A100-80GB", "serving.context_length": 16384, "serving.gpu_memory_utilization": 0.9,
