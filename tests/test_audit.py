@@ -60,6 +60,7 @@ PLANTED = [  # (environment, its options or a dataset verifier, the stage's rewa
     ("arithmetic", {}, {"length": 1.0}, [], "empty"),
     ("arithmetic", {}, {"planted_rewards:last_line": 1.0}, [], "several answers"),
     ("sql", {}, {"planted_rewards:sql_overlap": 1.0}, [], "tautology"),
+    ("sql", {}, {"similarity": 1.0}, ["unparseable"], "flipped comparison"),  # below gold, paid as if right
     (("dataset", "numeric"), {"tolerance": 1e9}, {"correctness": 1.0}, [], "wrong answer"),
     (("dataset", "choice"), {}, {"planted_rewards:first_letter": 1.0}, [], "every candidate"),
     (("dataset", "exact"), {"answer_pattern": "(\\w+)"}, {"correctness": 1.0}, [], "right then wrong"),

@@ -174,10 +174,17 @@ class SQLEnv:
                  "tautology": re.sub(r"\bWHERE\b", "WHERE 1=1 OR", gold, count=1, flags=re.IGNORECASE),
                  "doubled union": f"SELECT * FROM ({gold}) UNION ALL SELECT * FROM ({gold})",
                  "LIMIT drops rows": f"SELECT * FROM ({gold}) LIMIT 1",
+                 "flipped comparison": _FLIP.sub(lambda m: _FLIPPED[m.group(0)], gold, count=1),
+                 "changed literal": _LITERAL.sub(lambda m: str(int(m.group(0)) + 7), gold, count=1),
                  "write": "DELETE FROM emp", "drop": "DROP TABLE emp", "attach": "ATTACH DATABASE 'x.db' AS x"}
         found = [Exploit(family, query) for family, query in wrong.items()
                  if query != gold and not self.verify(query, gold)]
         return found + [Exploit("reordered rows", f"SELECT * FROM ({gold}) ORDER BY 1 DESC", "variant")]
+
+
+_FLIP = re.compile(r">=|<=|>|<")  # near misses a string grader pays: `age>35` and `age<35` are 83% alike
+_FLIPPED = {">=": "<", "<=": ">", ">": "<", "<": ">"}
+_LITERAL = re.compile(r"(?<![\w.])\d+(?![\w.])")
 
 
 @lru_cache(maxsize=4096)

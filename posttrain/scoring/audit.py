@@ -50,10 +50,16 @@ class Breach:
     ceiling: float
     example: str
     answer: str
+    rewarded: int = 0  # kind `rewarded`: on how many of `of` rows the family was paid as if right
+    of: int = 0
 
     def line(self, stage: str) -> str:
-        bound = "the lowest gold completion's" if self.kind != "guardrail" else "the guardrail's minimum"
         shown = self.example if len(self.example) <= 60 else self.example[:57] + "..."
+        if self.kind == "rewarded":
+            return (f"grpo.{stage}.rewards: the `{self.family}` exploit (a wrong answer) is paid as if right on "
+                    f"{self.rewarded} of {self.of} rows, up to {self.score:.3f}, above {self.ceiling:.3f} (midway from "
+                    f"the stage minimum to the lowest gold reward) (e.g. {shown!r} for answer {self.answer[:40]!r})")
+        bound = "the lowest gold completion's" if self.kind != "guardrail" else "the guardrail's minimum"
         return (f"grpo.{stage}.rewards: the `{self.family}` exploit scores {self.score:.3f}, at or above "
                 f"{bound} {self.ceiling:.3f} (e.g. {shown!r} for answer {self.answer[:40]!r})")
 
@@ -208,11 +214,21 @@ def stage_minimum(rewards: dict[str, float]) -> float:
     return total
 
 
+def rewarded_bar(gold_min: float, stage_min: float) -> float:
+    """Above this a completion is *rewarded*: nearer the lowest gold reward than the stage minimum."""
+    return (gold_min + stage_min) / 2
+
+
 def audit_stage(stage: str, env, rewards: dict[str, float], guardrails: list[str], rows: list[dict], *,
-                extra=(), max_rows: int = AUDIT_ROWS, limits=None) -> AuditReport:
+                extra=(), max_rows: int = AUDIT_ROWS, limits=None, max_false_reward: float = 0.1) -> AuditReport:
     """The audit of one GRPO stage's reward on up to `max_rows` training rows whose gold
     completion the environment verifies (see the module docstring); a tool environment's
-    exploits are played as episodes (`Played`, its tools under `limits`)."""
+    exploits are played as episodes (`Played`, its tools under `limits`). A `wrong` family
+    paid as if right (above `rewarded_bar`) on more than `max_false_reward` of the rows (the
+    low end of its Wilson interval) breaches too, even below gold: partial credit a policy
+    can climb without the answer (string overlap with the gold query)."""
+    from posttrain.scoring.stats import wilson_interval
+
     from posttrain.chat import completion_texts
     from posttrain.envs.tools import ToolLimits, is_tool_env
     from posttrain.scoring.rewards import guardrail
@@ -228,6 +244,8 @@ def audit_stage(stage: str, env, rewards: dict[str, float], guardrails: list[str
     report = AuditReport(stage=stage, rows=len(rows), exploits=0, gold_min=min(gold),
                          stage_min=stage_minimum(weights))
     worst: dict[tuple[str, str], Breach] = {}
+    bar = rewarded_bar(report.gold_min, report.stage_min)
+    paid: dict[str, list] = {}  # wrong family -> [rows seen, rows rewarded, its best-paid Breach]
     for row, play in zip(rows, played):
         battery = exploits_for(env, row, extra)
         texts = [e.completion for e in battery]
@@ -240,6 +258,17 @@ def audit_stage(stage: str, env, rewards: dict[str, float], guardrails: list[str
         flagged = [any(flags) for flags in zip(*[g(texts, **_columns(texts, row)) for g in guards])] if guards \
             else [False] * len(battery)
         report.exploits += len(battery)
+        best: dict[str, tuple[float, str]] = {}
+        for exploit, score in zip(battery, scores):
+            if exploit.kind == "wrong":
+                best[exploit.family] = max(best.get(exploit.family, (-math.inf, "")), (score, exploit.completion))
+        for family, (score, text) in best.items():
+            seen = paid.setdefault(family, [0, 0, None])
+            seen[0] += 1
+            if score > bar + 1e-9:
+                seen[1] += 1
+                if seen[2] is None or score > seen[2].score:
+                    seen[2] = Breach(family, "rewarded", score, bar, text, row["answer"])
         for exploit, score, guarded in zip(battery, scores, flagged):
             seen = report.families.setdefault(exploit.family, {"kind": exploit.kind, "count": 0, "max_score": -math.inf})
             seen["count"] += 1
@@ -255,6 +284,11 @@ def audit_stage(stage: str, env, rewards: dict[str, float], guardrails: list[str
             key = (exploit.family, kind)
             if key not in worst or score > worst[key].score:
                 worst[key] = Breach(exploit.family, kind, score, ceiling, exploit.completion, row["answer"])
+    breached = {family for family, _ in worst}
+    for family, (count, rewarded, example) in paid.items():
+        if family not in breached and rewarded and wilson_interval(rewarded, count)[0] > max_false_reward:
+            example.rewarded, example.of = rewarded, count
+            worst[(family, "rewarded")] = example
     report.breaches = sorted(worst.values(), key=lambda b: (-b.score, b.family))
     return report
 
@@ -297,7 +331,8 @@ def audit_stages(path, config, env, rows: list[dict], names=None) -> dict[str, A
                 raise UserError(f"{path}: grpo.{name}.audit.exploits", err.problem, err.fix) from None
             with plugin_failures():
                 reports[name] = audit_stage(name, env, stage.rewards, stage.guardrails, rows, extra=extra,
-                                            max_rows=stage.audit.rows, limits=tool_limits(config))
+                                            max_rows=stage.audit.rows, limits=tool_limits(config),
+                                            max_false_reward=stage.audit.max_false_reward)
     except PluginError as err:
         raise UserError(f"{path}: grpo", f"the reward audit: {err.problem}", err.fix) from None
     except NothingToAudit as err:  # the format contract's refusal, said before any compute
@@ -347,7 +382,7 @@ def agreement(env, rewards: dict[str, float], guardrails: list[str], rows: list[
 
     weights = rewards if isinstance(rewards, dict) else {name: 1.0 for name in rewards}
     funcs, w = build_rewards(env, weights, guardrails)
-    bar = (gold_min + stage_min) / 2
+    bar = rewarded_bar(gold_min, stage_min)
     counts = {"right": 0, "wrong": 0, "false_reward": 0, "missed_reward": 0}
     for row, outs in zip(rows, samples):
         for text, score in zip(outs, _totals(funcs, w, list(outs), row=row)):
