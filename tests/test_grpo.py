@@ -132,6 +132,7 @@ def test_killed_stage_resumes_from_its_checkpoint(tmp_path):
     overrides = {**LEARNED, "sft": {**LEARNED["sft"], "trl": {**LEARNED["sft"]["trl"], "num_train_epochs": 30}},
                  "grpo": {"dense": {"from": "sft", "pass_rate_filter": {"enabled": False},
                                     "trl": {"max_steps": 60, "save_steps": 10, "logging_steps": 10,
+                                            "save_total_limit": None,   # every checkpoint stays until the end
                                             "per_device_train_batch_size": 8, "num_generations": 4}}}}
     killed = make_workspace(tmp_path / "killed", overrides)
     run_repro(killed, "sft")
@@ -140,9 +141,11 @@ def test_killed_stage_resumes_from_its_checkpoint(tmp_path):
     env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
     proc = subprocess.Popen(["dvc", "repro", "grpo@dense"], cwd=killed, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not list((killed / "checkpoints/grpo/dense").glob("*/checkpoint-20/trainer_state.json")) \
-            and time.time() < deadline:
+    # bounded by the stage itself, not a clock: with every checkpoint kept, checkpoint-20 stays from
+    # step 20 until the stage clears its checkpoints at the very end (a fast CPU ran the ten steps
+    # from checkpoint-20 to checkpoint-30, which used to delete it, between two polls)
+    while not list((killed / "checkpoints/grpo/dense").glob("*/checkpoint-20/trainer_state.json")):
+        assert proc.poll() is None, "the stage ended before its checkpoint-20 was seen"
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)           # kill -9 the whole stage, DVC included
     proc.wait()
