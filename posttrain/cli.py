@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from posttrain.errors import GateFailure, ReplayError, StageFailed, TrainingFailed, UserError
+from posttrain.capacity.memory import LINEAR_NAMES
 from posttrain.capacity.profiles import PACKAGED as PACKAGED_PROFILES
 from posttrain.redact import guard_standard_streams, redact_text
 
@@ -157,8 +158,15 @@ def add_memory_parser(sub) -> None:
     memory.add_argument("--fp32", action="store_true", help="train in fp32 instead of bf16 mixed precision")
     memory.add_argument("--cpu", action="store_true", help="plan a run on CPUs, as posttrain trains there (fp32, "
                         "PyTorch ops where a GPU runs TRL's Triton kernels); bytes are then of host memory")
-    memory.add_argument("--optim", default="adamw_torch_fused", help="transformers optimizer name: an 8-bit one "
-                        "(e.g. adamw_bnb_8bit) keeps 2 bytes of moments per trained weight, sgd none, AdamW 8")
+    memory.add_argument("--optim", default="adamw_torch_fused", help="transformers optimizer name: AdamW (two "
+                        "moments), an 8-bit one (adamw_bnb_8bit: bitsandbytes' block-wise states), sgd (none), "
+                        "galore_adamw (projected moments); or logra (LoGRA's gradient sketch: an estimate)")
+    memory.add_argument("--galore-rank", type=int, default=128, help="GaLore's rank (with --optim galore_adamw)")
+    memory.add_argument("--galore-modules", default=",".join(LINEAR_NAMES), help="the linears GaLore projects "
+                        "(optim_target_modules: names, comma-separated, or all-linear)")
+    memory.add_argument("--sketch-rank", type=int, default=256, help="LoGRA's sketch rank (with --optim logra)")
+    memory.add_argument("--trainable-layers", type=int, default=0, help="train only the top this many decoder "
+                        "layers and the final norm (a stage's trainable.top_layers); 0: every weight")
     memory.add_argument("--vllm-share", type=float, default=0.0, help="colocated vLLM's share of the GPU")
     memory.add_argument("--gpu", help="GPU profile: adds its memory and whether the plan fits")
     memory.add_argument("--gpus-file", default=str(PACKAGED_PROFILES), help="GPU profiles file")
@@ -362,13 +370,16 @@ def print_kv(args) -> None:
 
 def print_memory(args) -> None:
     """`posttrain memory`: the plan (posttrain.capacity.memory) as JSON or aligned lines in GiB."""
-    from posttrain.capacity.memory import GIB, Setup, optimizer_state_bytes, report
+    from posttrain.capacity.memory import GIB, Setup, report
 
     if args.config is not None:
         return print_pipeline_memory(args)
     if args.model is None:
         raise UserError("posttrain memory", "no model given", "pass a model folder (or config.json), or --config FILE")
-    setup = Setup(optimizer_state_bytes=optimizer_state_bytes(args.optim), engine=args.engine, method=args.method, zero=args.zero, gpus=args.gpus, nodes=args.nodes,
+    modules = args.galore_modules if args.galore_modules in ("all-linear", "all_linear") else \
+        tuple(m.strip() for m in args.galore_modules.split(",") if m.strip())
+    setup = Setup(optim=args.optim, galore_rank=args.galore_rank, galore_targets=modules,
+                  sketch_rank=args.sketch_rank, trainable_layers=args.trainable_layers, engine=args.engine, method=args.method, zero=args.zero, gpus=args.gpus, nodes=args.nodes,
                   offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
                   lora_rank=args.lora_rank, beta=args.beta, batch=args.batch, seq=args.seq, completion=args.completion,
                   gradient_checkpointing=args.gradient_checkpointing,
@@ -396,7 +407,8 @@ def print_pipeline_memory(args) -> None:
     defaults = vars(build_parser().parse_args(["memory"]))
     given = [f"--{a.replace('_', '-')}" for a in ("model", "method", "zero", "gpus", "nodes", "offload_optimizer",
              "offload_params", "engine", "lora_rank", "beta", "batch", "seq", "completion", "gradient_checkpointing", "fp32", "cpu",
-             "optim", "vllm_share", "gpu") if getattr(args, a) != defaults[a]]
+             "optim", "galore_rank", "galore_modules", "sketch_rank", "trainable_layers", "vllm_share", "gpu")
+             if getattr(args, a) != defaults[a]]
     if given:
         raise UserError(f"posttrain memory {given[0].replace('--model', 'MODEL')}", "--config plans each stage as its config says",
                         "leave out the flag, or change the config (training.gpu, the stage's trl:, peft:, launcher:)")

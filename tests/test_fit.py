@@ -189,22 +189,22 @@ def test_posttrain_run_refuses_before_anything_is_written(qwen, tmp_path):
 
 
 def test_a_model_the_plan_does_not_know(tmp_path):
-    """A Gemma-2 model (not a Llama-like decoder): without a GPU declared the stages are not
+    """A Phi-3 model (fused qkv and gate/up projections: not a Llama-like decoder): without a GPU declared the stages are not
     planned and say why; with one, the check cannot be made and says so in one line."""
-    model = tmp_path / "gemma"
+    model = tmp_path / "phi3"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({
-        "model_type": "gemma2", "vocab_size": 256000, "hidden_size": 2304, "num_hidden_layers": 26,
-        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 9216,
-        "max_position_embeddings": 8192, "tie_word_embeddings": True}))
-    path = tmp_path / "gemma.yaml"
+        "model_type": "phi3", "vocab_size": 32064, "hidden_size": 3072, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 8192,
+        "max_position_embeddings": 4096, "tie_word_embeddings": False}))
+    path = tmp_path / "phi3.yaml"
     path.write_text(yaml.safe_dump({"extends": str(REPO / "configs" / "pipeline.yaml"), "model": {"path": str(model)}}))
     stages = memory(path)["stages"]
-    assert not stages["sft"]["planned"] and "gemma2" in stages["sft"]["reason"]
+    assert not stages["sft"]["planned"] and "phi3" in stages["sft"]["reason"]
     assert cli("check", "--config", path).returncode == 0
     path.write_text(yaml.safe_dump({"extends": str(REPO / "configs" / "pipeline.yaml"), "model": {"path": str(model)},
                                     "training": {"gpu": "H100-80GB"}}))
-    assert_refused(cli("check", "--config", path), "training.gpu", "cannot read the model", "gemma2")
+    assert_refused(cli("check", "--config", path), "training.gpu", "cannot read the model", "phi3")
 
 
 def test_what_grpo_generates_at_once_and_deepspeeds_json(qwen, tmp_path):
@@ -230,3 +230,18 @@ def test_what_grpo_generates_at_once_and_deepspeeds_json(qwen, tmp_path):
     assert plans["ddp"]["generation_bytes"] == 32 * kv_per_sequence
     assert plans["zero3"]["setup"]["zero"] == 3 and plans["zero3"]["setup"]["engine"] == "deepspeed"
     assert plans["zero3"]["generation_bytes"] == 32 * kv_per_sequence + 2 * QWEN7B_PARAMS   # the gathered model
+
+
+def test_the_optimizer_levers_come_before_lora(qwen):
+    """Qwen2.5-7B SFT on one GPU: in fp32 (TRL's default load) on an H100 its AdamW moments are
+    what does not fit, and 8-bit AdamW states (every weight still training) are the fix picked,
+    before GaLore and LoRA; with the weights loaded in bf16 on an L40S, 8-bit is not enough and
+    GaLore's projected moments are."""
+    def sft(dtype: str) -> dict:
+        return {"trl": {"max_length": 1024, "per_device_train_batch_size": 1, "model_init_kwargs": {"dtype": dtype}}}
+    h100 = memory(qwen("h100.yaml", training={"gpu": "H100-80GB"}, sft=sft("float32")))["stages"]["sft"]
+    assert h100["fix"] == "set sft.trl.optim: adamw_bnb_8bit (8-bit AdamW states)"
+    l40s = memory(qwen("l40s.yaml", training={"gpu": "L40S-48GB"}, sft=sft("bfloat16")))["stages"]["sft"]
+    assert l40s["fix"].startswith("set sft.trl.optim: galore_adamw with optim_args: rank=128"), l40s["fix"]
+    for stage in (h100, l40s):
+        assert stage["fix_total_bytes"] <= stage["budget_bytes"] < stage["total_bytes"]

@@ -29,12 +29,15 @@ from pathlib import Path
 
 from posttrain.errors import UserError
 from posttrain.runtime.host_checks import cuda_devices
-from posttrain.capacity.memory import GIB, LINEAR_NAMES, LINEARS, Setup, optimizer_state_bytes, plan
+from posttrain.capacity import optimizers
+from posttrain.capacity.memory import GIB, LINEAR_NAMES, LINEARS, Setup, plan
 from posttrain.stageid import StageId, training_stages
 from posttrain.capacity.modelconfig import FIELD_FIX, LARGEST_DIMENSION, BadField
 from posttrain.yamlfile import show
 
 FIX_LORA_RANK = 16  # the adapter a fix proposes: rank 16 on every linear
+FIX_8BIT = "adamw_bnb_8bit"  # the 8-bit optimizer a fix proposes (bitsandbytes)
+FIX_GALORE_RANK = 128  # GaLore's rank a fix proposes (transformers' default)
 
 
 def model_config(config) -> dict:
@@ -191,7 +194,7 @@ def stage_setup(config, stage: str, *, prompt_chars: int, gpu: bool, where: str)
     common = dict(gpus=launcher.processes, nodes=launcher.nodes, batch=batch, mixed_precision=mixed, cpu=not gpu,
                   accumulation=int(option("gradient_accumulation_steps")), load_bytes=load,
                   gradient_checkpointing=bool(option("gradient_checkpointing")),
-                  optimizer_state_bytes=optimizer_state_bytes(str(option("optim"))), **sharding(launcher, where))
+                  **optimizer_setup(trl, option, f"{file}: {field}.trl"), **sharding(launcher, where))
     if section.peft is not None:
         rank = section.peft.get("r", 8)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -199,9 +202,8 @@ def stage_setup(config, stage: str, *, prompt_chars: int, gpu: bool, where: str)
         common.update(lora_rank=rank, lora_modules=lora_modules(model, section.peft, f"{file}: {field}.peft"),
                       extra_trainable=saved_modules(model, section.peft))
     if section.trainable is not None:
-        from posttrain.training.trainable import trained_count
-
-        common.update(trainable_params=trained_count(config, section.trainable))
+        common.update(trainable_layers=section.trainable.top_layers or 0,
+                      trainable_patterns=tuple(section.trainable.patterns))
     if stage == "sft":
         return Setup(method="sft", seq=int(option("max_length") or 1024), **common)
     completion = int(option("max_completion_length"))
@@ -213,6 +215,20 @@ def stage_setup(config, stage: str, *, prompt_chars: int, gpu: bool, where: str)
                  vllm_share=float(option("vllm_gpu_memory_utilization")) if vllm and mode == "colocate" else 0.0,
                  vllm_server=vllm and mode == "server", generation_batch=generated,
                  gather_for_generation=bool(option("ds3_gather_for_generation")), **common)
+
+
+def optimizer_setup(trl: dict, option, where: str) -> dict:
+    """The plan's optimizer fields from a `trl:` block: `optim` (TRL's default where silent),
+    and GaLore's rank and target modules (`optim_args`, `optim_target_modules`)."""
+    optim = str(option("optim"))
+    found = {"optim": optim}
+    if optim.startswith("galore_"):
+        from posttrain.training.optimizer_options import galore_args
+
+        targets = trl.get("optim_target_modules")
+        found.update(galore_rank=galore_args(where, trl.get("optim_args")).get("rank", 128),
+                     galore_targets=tuple(targets) if isinstance(targets, list) else targets or LINEAR_NAMES)
+    return found
 
 
 def budget(config, config_dir: Path) -> tuple[int, int, str] | None:
@@ -274,9 +290,12 @@ def cheapest_fix(config, stage: str, field: str, model: dict, setup: Setup, limi
     checkpointing (recomputes activations: slower steps, same result); a smaller micro-batch
     with more accumulation (same global batch; TRL must accept it); not gathering the
     ZeRO-3 model to generate; ZeRO-3 over the GPUs declared, then with the optimizer in CPU
-    memory (same result, more communication); a LoRA adapter, then with the base loaded in
-    bf16 (trains fewer weights: a different result); then their combinations. (text, its
-    total bytes), or what does not suffice and (text, None)."""
+    memory (same result, more communication); then the levers that change the result, least
+    first: 8-bit AdamW states (bitsandbytes: quantised moments, all weights train), GaLore
+    (low-rank projected moments, all weights train, an SVD every few hundred steps), a LoRA
+    adapter, then with the base loaded in bf16 (trains a low-rank update only), and last only
+    the top half of the layers (the rest frozen); then their combinations. (text, its total
+    bytes), or what does not suffice and (text, None)."""
     total = lambda s: plan(model, s).total_bytes  # noqa: E731
     levers = fix_levers(config, stage, field, setup)
     for base, changes in levers:
@@ -307,6 +326,18 @@ def fix_levers(config, stage: str, field: str, setup: Setup) -> list[tuple[Setup
         base, changes = levers[-1]
         levers.append((dataclasses.replace(base, offload_optimizer=True),
                        changes + [f"offload_optimizer_device: cpu in {field}'s DeepSpeed config"]))
+    full = levers[-1]  # every weight still trains: the optimizer's states next
+    if optimizers.kind(setup.optim) == "adamw" and not setup.lora_rank:
+        base, changes = full
+        full = (dataclasses.replace(base, optim=FIX_8BIT), changes + [f"{trl}.optim: {FIX_8BIT} (8-bit AdamW states)"])
+        levers.append(full)
+        if base.zero == 0 and not base.trainable_layers and not base.trainable_patterns:
+            base, changes = unsharded
+            levers.append((dataclasses.replace(base, optim="galore_adamw", galore_rank=FIX_GALORE_RANK,
+                                               galore_targets=LINEAR_NAMES),
+                           changes + [f"{trl}.optim: galore_adamw with optim_args: rank={FIX_GALORE_RANK} and "
+                                      f"optim_target_modules: [{', '.join(LINEAR_NAMES)}] (GaLore: projected "
+                                      "gradients, an SVD every update_proj_gap steps)"]))
     if setup.zero < 3:  # LoRA is refused with sharded weights
         base, changes = unsharded
         lora = base if base.lora_rank else dataclasses.replace(base, lora_rank=FIX_LORA_RANK, lora_modules=LINEARS)
@@ -316,6 +347,12 @@ def fix_levers(config, stage: str, field: str, setup: Setup) -> list[tuple[Setup
         if lora.load_bytes == 4 and lora.engine != "deepspeed":
             levers.append((dataclasses.replace(lora, load_bytes=2),
                            changes + [f"{trl}.model_init_kwargs: {{dtype: bfloat16}} (the frozen base in bf16)"]))
+    if not setup.lora_rank and not setup.trainable_layers and not setup.trainable_patterns:
+        base, changes = full
+        layers = int(model_config(config)["num_hidden_layers"])
+        levers.append((dataclasses.replace(base, trainable_layers=max(1, layers // 2)),
+                       changes + [f"{field}.trainable: {{top_layers: {max(1, layers // 2)}}} (the top half of the "
+                                  "layers train, the rest frozen)"]))
     return levers
 
 

@@ -32,15 +32,21 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from posttrain.capacity import optimizers
 from posttrain.capacity.modelconfig import GIB, LARGEST_DIMENSION, BadField, field_refused, head_counts, positive, text_config
+from posttrain.capacity.optimizers import Tensor
 from posttrain.yamlfile import show
 
-DECODERS = {"llama", "mistral", "qwen2", "qwen3"}  # dense decoders: gate/up/down MLP, GQA attention
+DECODERS = {"llama", "mistral", "qwen2", "qwen3", "gemma2"}  # dense decoders: gate/up/down MLP, GQA attention
+LAYER_NORMS = {"gemma2": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                          "post_feedforward_layernorm")}  # RMSNorms per layer where not Llama's two
+TIED_BY_DEFAULT = {"gemma2"}  # model types whose config ties the head unless it says otherwise
 ADAM_STATES = 8      # bytes per trained parameter: Adam's two fp32 moments
 MIXED_GRADS = 6      # 16-bit and fp32 gradients (DeepSpeed's count)
 MASTER = 4           # fp32 master weights in mixed precision
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # Shape.linears order
 LINEARS = frozenset(LINEAR_NAMES)
+ATTENTION = frozenset(LINEAR_NAMES[:4])
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class Shape:
     tied: bool
     qkv_bias: bool
     qk_norm: bool
+    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
 
     @property
     def kv_dim(self) -> int:
@@ -71,7 +78,7 @@ class Shape:
     def params(self) -> int:
         """P: embedding (+ an untied output head), per layer the linears (+ q/k/v biases,
         + q/k norms), two RMSNorms, and the final norm."""
-        layer = sum(i * o for i, o in self.linears()) + 2 * self.hidden
+        layer = sum(i * o for i, o in self.linears()) + len(self.norms) * self.hidden
         layer += (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
         layer += 2 * self.head_dim if self.qk_norm else 0
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * layer + self.hidden
@@ -80,6 +87,30 @@ class Shape:
     def largest_layer(self) -> int:
         """L: the parameters of the largest single module (as DeepSpeed's `model_to_params`)."""
         return max([self.vocab * self.hidden] + [i * o for i, o in self.linears()])
+
+    def layer_tensors(self) -> list[Tensor]:
+        """One decoder layer's parameters, named as transformers names them (`{i}` the layer)."""
+        found = []
+        for name, (i, o) in zip(LINEAR_NAMES, self.linears()):
+            module = f"model.layers.{{i}}.{'self_attn' if name in ATTENTION else 'mlp'}.{name}"
+            found.append(Tensor(f"{module}.weight", i * o, (o, i)))
+            if self.qkv_bias and name in ("q_proj", "k_proj", "v_proj"):
+                found.append(Tensor(f"{module}.bias", o))
+        if self.qk_norm:
+            found += [Tensor(f"model.layers.{{i}}.self_attn.{n}.weight", self.head_dim) for n in ("q_norm", "k_norm")]
+        return found + [Tensor(f"model.layers.{{i}}.{n}.weight", self.hidden)
+                        for n in self.norms]
+
+    def outer_tensors(self) -> list[Tensor]:
+        """The parameters outside the layers: the embedding, the final norm, an untied head."""
+        head = [] if self.tied else [Tensor("lm_head.weight", self.vocab * self.hidden, (self.vocab, self.hidden))]
+        return [Tensor("model.embed_tokens.weight", self.vocab * self.hidden),
+                Tensor("model.norm.weight", self.hidden)] + head
+
+    def lora_tensors(self, rank: int, modules: frozenset[str] = LINEARS) -> list[Tensor]:
+        """One layer's LoRA adapter of rank `rank`: lora_A (r x in) and lora_B (out x r) per module."""
+        return [t for name, (i, o) in zip(LINEAR_NAMES, self.linears()) if name in modules
+                for t in (Tensor(f"{name}.lora_A", rank * i, (rank, i)), Tensor(f"{name}.lora_B", o * rank, (o, rank)))]
 
     def lora_params(self, rank: int, modules: frozenset[str] = LINEARS) -> int:
         """T of a LoRA adapter of rank `rank` on the named linears of every layer (all of
@@ -100,8 +131,10 @@ def shape(config: dict) -> Shape:
     hidden = positive(cfg, "hidden_size")
     return Shape(vocab=positive(cfg, "vocab_size"), hidden=hidden, layers=positive(cfg, "num_hidden_layers"),
                  heads=heads, kv_heads=kv_heads, head_dim=positive(cfg, "head_dim", hidden // heads),
-                 intermediate=positive(cfg, "intermediate_size"), tied=bool(cfg.get("tie_word_embeddings", False)),
-                 qkv_bias=bool(cfg.get("attention_bias", kind in ("qwen2", "qwen2_5"))), qk_norm=kind == "qwen3")
+                 intermediate=positive(cfg, "intermediate_size"),
+                 tied=bool(cfg.get("tie_word_embeddings", kind in TIED_BY_DEFAULT)),
+                 qkv_bias=bool(cfg.get("attention_bias", kind in ("qwen2", "qwen2_5"))), qk_norm=kind == "qwen3",
+                 norms=LAYER_NORMS.get(kind, ("input_layernorm", "post_attention_layernorm")))
 
 
 @dataclass(frozen=True)
@@ -115,7 +148,11 @@ class Setup:
     offload_params: bool = False    # ZeRO-3 only
     lora_rank: int = 0              # 0: every weight trains
     lora_modules: frozenset[str] = LINEARS  # the linears LoRA adapts (LINEAR_NAMES)
-    optimizer_state_bytes: int = ADAM_STATES  # per trained parameter: AdamW's fp32 moments 8, 8-bit 2, SGD 0
+    optim: str = "adamw_torch"      # transformers' `optim`: AdamW, 8-bit (`adamw_bnb_8bit`), `sgd`,
+                                    # GaLore (`galore_adamw`), or `logra` (an estimate): posttrain/capacity/optimizers.py
+    galore_rank: int = 128          # GaLore's rank (transformers' default for `optim_args: rank=...`)
+    galore_targets: str | tuple[str, ...] = LINEAR_NAMES  # `optim_target_modules`, matched as transformers matches
+    sketch_rank: int = 256          # LoGRA's sketch rank (NeMo Automodel's default)
     beta: float = 0.0               # KL weight: > 0 keeps a reference model (GRPO, PPO)
     batch: int = 1                  # b: sequences per micro-batch per GPU
     seq: int = 1024                 # s: tokens per sequence (prompt + completion)
@@ -132,16 +169,11 @@ class Setup:
     load_bytes: int = 4             # bytes per weight as TRL loads the model (model_init_kwargs dtype): float32 4
                                     # (TRL 1.x's default), bfloat16 / float16 2; DeepSpeed casts to 16-bit anyway
     extra_trainable: int = 0        # LoRA: parameters of `modules_to_save`, trained whole
-    trainable_params: int = 0       # partial training (a stage's `trainable:`): the parameters that train; 0: all
+    trainable_layers: int = 0       # partial training (a stage's `trainable:`): the top this many layers and the
+    trainable_patterns: tuple[str, ...] = ()  # final norm, and the parameters these globs name; neither: all train
     generation_batch: int | None = None  # sequences generated at once per GPU (GRPO); None: the micro-batch
     gather_for_generation: bool = False  # DeepSpeed ZeRO-3: TRL gathers the whole 16-bit model to generate
     vllm_server: bool = False       # generation on a vLLM server elsewhere: none here
-
-
-def optimizer_state_bytes(optim: str) -> int:
-    """Optimizer state bytes per trained parameter of a transformers `optim` name: 8-bit
-    AdamW variants (bitsandbytes) 2, SGD 0, AdamW and the rest 8 (two fp32 moments)."""
-    return 2 if "8bit" in optim else 0 if optim.startswith("sgd") else ADAM_STATES
 
 
 @dataclass(frozen=True)
@@ -164,6 +196,7 @@ class Plan:
     activations_bytes: int
     logits_bytes: int
     generation_bytes: int
+    optimizer_step_bytes: int    # a transient of the optimizer step beyond its states (GaLore's SVD)
     total_bytes: int
 
     def as_dict(self) -> dict:
@@ -182,45 +215,155 @@ def sixteen_bit_weights(setup: Setup) -> bool:
     return setup.mixed_precision and engine(setup) == "deepspeed"
 
 
-def model_states(p: int, t: int, largest: int, setup: Setup) -> tuple[int, int, int]:
+@dataclass(frozen=True)
+class Trained:
+    """What trains: each tensor with its number of copies (a layer's tensor once per trained
+    layer), how many decoder layers the backward pass runs through (from the lowest trained
+    one to the top), and whether the output head trains."""
+    tensors: tuple[tuple[Tensor, int], ...]
+    depth: int
+    head: bool
+
+    @property
+    def params(self) -> int:
+        return sum(t.numel * n for t, n in self.tensors)
+
+
+def trained(shape: Shape, setup: Setup) -> Trained:
+    """The parameters a setup trains: a LoRA adapter (and `modules_to_save`), the top
+    `trainable_layers` and the final norm and what `trainable_patterns` name (as
+    posttrain.training.trainable selects them), or all of them."""
+    layers, outer = shape.layer_tensors(), shape.outer_tensors()
+    if setup.lora_rank:
+        saved = ((Tensor("modules_to_save", setup.extra_trainable), 1),) if setup.extra_trainable else ()
+        adapter = tuple((t, shape.layers) for t in shape.lora_tensors(setup.lora_rank, setup.lora_modules))
+        return Trained(adapter + saved, shape.layers, False)
+    if not (setup.trainable_layers or setup.trainable_patterns):
+        return Trained(tuple((t, shape.layers) for t in layers) + tuple((t, 1) for t in outer), shape.layers, True)
+    from posttrain.training.trainable import selected
+
+    top = setup.trainable_layers or None
+    chosen = set(selected([t.name for t in outer], top_layers=top, patterns=list(setup.trainable_patterns),
+                          num_layers=shape.layers))
+    counts, lowest = {}, shape.layers
+    indices = range(shape.layers) if setup.trainable_patterns else range(shape.layers - min(top, shape.layers),
+                                                                         shape.layers)
+    for i in indices:  # a layer's names with its index: the patterns may name some layers only
+        names = [t.name.format(i=i) for t in layers]
+        keep = set(selected(names, top_layers=top, patterns=list(setup.trainable_patterns), num_layers=shape.layers))
+        for t, name in zip(layers, names):
+            if name in keep:
+                counts[t] = counts.get(t, 0) + 1
+                lowest = min(lowest, i)
+    head = "lm_head.weight" in chosen or (shape.tied and "model.embed_tokens.weight" in chosen)
+    depth = shape.layers if "model.embed_tokens.weight" in chosen else shape.layers - lowest
+    tensors = tuple(counts.items()) + tuple((t, 1) for t in outer if t.name in chosen)
+    return Trained(tensors, depth, head)
+
+
+@dataclass(frozen=True)
+class OptimizerStates:
+    """Unsharded bytes of what an optimizer keeps for the trained tensors: the gradients it
+    reads, its states (moments, projections, masters it keeps itself) and the transient of
+    its step (GaLore's SVD)."""
+    gradients: int
+    states: int
+    transient: int
+
+
+def galore_targets(shape: Shape, setup: Setup, what: Trained) -> set[str]:
+    """The trained linear weights GaLore projects: modules named by `galore_targets` as
+    transformers matches `optim_target_modules` (`check_target_module_exists`; `all-linear`
+    is every linear layer, the output head too)."""
+    targets = setup.galore_targets
+    linears = [t for t, _ in what.tensors if t.linear]
+    if targets in ("all-linear", "all_linear"):
+        return {t.name for t in linears}
+    from transformers.trainer_utils import check_target_module_exists
+
+    return {t.name for t in linears if check_target_module_exists(
+        list(targets) if isinstance(targets, tuple) else targets, t.module().format(i=0))}
+
+
+def optimizer_states(shape: Shape, setup: Setup, what: Trained, dtype: int) -> OptimizerStates:
+    """The optimizer's bytes for the trained tensors, each by its rule
+    (posttrain/capacity/optimizers.py); `dtype`: bytes per element of the trained weights."""
+    family = optimizers.kind(setup.optim)
+    gradients = states = transient = 0
+    targets = galore_targets(shape, setup, what) if family == "galore" else \
+        {t.name for t, _ in what.tensors if t.linear and t.name.split(".")[-2] in LINEARS} if family == "logra" else set()
+    for t, n in what.tensors:
+        grad, state = dtype * t.numel, optimizers.adamw(t, dtype)
+        if family == "8bit":
+            state = optimizers.bnb_8bit(t)
+            transient = max(transient, optimizers.bnb_cpu_step(t) if setup.cpu else 0)
+        elif family == "sgd":
+            state = 0
+        elif t.name in targets and family == "galore":
+            state = optimizers.galore(t, dtype, setup.galore_rank)
+            transient = max(transient, optimizers.galore_step(t, dtype))
+        elif t.name in targets:  # LoGRA
+            grad, state = optimizers.logra(t, setup.sketch_rank, dtype == 2)
+            transient = max(transient, optimizers.logra_projection(t, setup.sketch_rank))
+        gradients, states = gradients + grad * n, states + state * n
+    return OptimizerStates(gradients, states, transient)
+
+
+def flat_moments(setup: Setup, t: int) -> int:
+    """DeepSpeed's optimizer states over its flat fp32 partitions of `t` trained parameters:
+    AdamW 8 bytes each, bitsandbytes' 8-bit AdamW 2 and an fp32 absmax per 256, SGD none."""
+    family = optimizers.kind(setup.optim)
+    if family in ("galore", "logra"):
+        raise ValueError(f"{setup.optim} projects whole weight matrices, which DeepSpeed's flat partitions are not: "
+                         "plan it with the Trainer alone (--engine trainer: DDP, or FSDP as --zero 3)")
+    if family == "8bit":
+        return 2 * t + 2 * 4 * math.ceil(t / optimizers.BNB_BLOCK)
+    return 0 if family == "sgd" else ADAM_STATES * t
+
+
+def model_states(p: int, t: int, largest: int, setup: Setup,
+                 optimizer: OptimizerStates | None = None) -> tuple[int, int, int]:
     """(weights, gradients, optimizer) bytes per GPU for `p` parameters of which `t` train
     (the table in the module docstring). Totals equal DeepSpeed's estimators for full
     training in mixed precision (ZeRO-2: 2P + int(18P/N); ZeRO-3: 4L + int(18P/N)). The
     Trainer without DeepSpeed keeps the weights as TRL loads them (`load_bytes`: fp32 by
-    default), gradients and AdamW's moments in the same dtype (4 + 4 + 8 per trained
-    parameter in fp32), a LoRA adapter in fp32; FSDP shards them as ZeRO-3 does."""
+    default), gradients and the optimizer's states in the same dtype (4 + 4 + 8 per trained
+    parameter in fp32 with AdamW), a LoRA adapter in fp32; FSDP shards them as ZeRO-3 does.
+    `optimizer`: the Trainer's per-tensor gradients and states (`optimizer_states`); None:
+    AdamW's."""
     n = setup.gpus * setup.nodes
-    adam = setup.optimizer_state_bytes
     if not sixteen_bit_weights(setup):  # the Trainer: the weights as loaded; fp32 on the CPU
         w = setup.load_bytes if setup.mixed_precision else 4
         lora = p > t
-        trained = 4 if lora else w  # peft keeps the adapter in fp32 (autocast_adapter_dtype)
-        moments = adam * trained // 4 if adam == ADAM_STATES else adam  # torch's AdamW: the parameter's dtype
-        weights, gradients, optimizer = _shard(w * (p - t) + trained * t, trained * t, moments * t, setup.zero, n,
-                                               largest)
+        trained_bytes = 4 if lora else w  # peft keeps the adapter in fp32 (autocast_adapter_dtype)
+        if optimizer is None:
+            optimizer = OptimizerStates(trained_bytes * t, ADAM_STATES * trained_bytes // 4 * t, 0)
+        weights, gradients, states = _shard(w * (p - t) + trained_bytes * t, optimizer.gradients, optimizer.states,
+                                            setup.zero, n, largest)
         if setup.offload_optimizer and setup.zero >= 1:  # the step runs on the CPU, with the gradients
-            optimizer, gradients = 0, 0 if setup.zero >= 2 else gradients
-        return (4 * largest if setup.offload_params else weights), gradients, optimizer
+            states, gradients = 0, 0 if setup.zero >= 2 else gradients
+        return (4 * largest if setup.offload_params else weights), gradients, states
     zero = setup.zero
     frozen = p - t
-    per_trained = MIXED_GRADS + MASTER + adam  # DeepSpeed's 18 with AdamW
+    fixed = MIXED_GRADS + MASTER  # DeepSpeed's 18 per trained parameter, with AdamW's 8 of moments
+    moments = flat_moments(setup, t)
     if zero == 3:
         if setup.offload_optimizer and setup.offload_params:
             return 4 * largest, 0, 0
         if setup.offload_optimizer:
             return 4 * largest + int(2 * p / n), 0, 0
-        total = 4 * largest + int(per_trained * t / n) + int(2 * frozen / n)
+        total = 4 * largest + int((fixed * t + moments) / n) + int(2 * frozen / n)
         weights = 4 * largest + int(2 * p / n)
         gradients = int(4 * t / n)
         return weights, gradients, total - weights - gradients
     if setup.offload_optimizer and zero >= 1:
         return 2 * p, 0, 0
     if zero == 2:
-        total = 2 * p + int(per_trained * t / n)
+        total = 2 * p + int((fixed * t + moments) / n)
         gradients = int(MIXED_GRADS * t / n)
         return 2 * p, gradients, total - 2 * p - gradients
-    optimizer = (MASTER + adam) * t
-    return 2 * p, MIXED_GRADS * t, int(optimizer / n) if zero == 1 else optimizer
+    states = MASTER * t + moments
+    return 2 * p, MIXED_GRADS * t, int(states / n) if zero == 1 else states
 
 
 def _shard(weights: int, gradients: int, optimizer: int, zero: int, n: int, largest: int) -> tuple[int, int, int]:
@@ -234,20 +377,23 @@ def _shard(weights: int, gradients: int, optimizer: int, zero: int, n: int, larg
     return weights, gradients, optimizer
 
 
-def activations(shape: Shape, setup: Setup) -> int:
+def activations(shape: Shape, setup: Setup, depth: int | None = None) -> int:
     """Bytes autograd keeps for the backward pass of one micro-batch (b x s tokens).
     Per token and layer, a Llama block keeps about 11H + 3K + 4I values (H hidden, K the
     KV width, I the MLP width: both RMSNorms' fp32 inputs and outputs, q/k/v and their
     rotated copies, the attention output, the gate, up, activation and product of the
     MLP), 2 bytes each in bf16 (9H + 3K + 4I at 4 bytes in fp32, where the norms need no
     upcast). Fused attention keeps no s x s scores. With gradient checkpointing, each
-    layer keeps only its input (H per token) and one layer is recomputed at a time."""
+    layer keeps only its input (H per token) and one layer is recomputed at a time. Only the
+    `depth` layers the backward pass runs through keep anything: below the lowest trained
+    layer nothing needs a gradient (partial training)."""
+    depth = shape.layers if depth is None else depth
     h, k, i = shape.hidden, shape.kv_dim, shape.intermediate
     per_layer = 2 * (11 * h + 3 * k + 4 * i) if setup.mixed_precision else 4 * (9 * h + 3 * k + 4 * i)
     tokens = setup.batch * setup.seq
     if setup.gradient_checkpointing:
-        return tokens * (shape.layers * h * (2 if setup.mixed_precision else 4) + per_layer)
-    return tokens * shape.layers * per_layer
+        return tokens * (depth * h * (2 if setup.mixed_precision else 4) + (per_layer if depth else 0))
+    return tokens * depth * per_layer
 
 
 # TRL 1.x never materialises a whole [tokens, vocab] logits tensor: both trainers patch the
@@ -262,7 +408,7 @@ TILE_VOCAB = 32768      # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
 TILE_FP32_COPIES = {"cuda": 1, "cpu": 7}
 
 
-def logits(shape: Shape, setup: Setup) -> int:
+def logits(shape: Shape, setup: Setup, head_trains: bool = True) -> int:
     """Bytes of the loss's vocab-sized work, TRL 1.x's chunked log-prob kernel: one tile of
     min(N, TILE_TOKENS) x min(V, TILE_VOCAB) logits in the model's dtype plus
     `TILE_FP32_COPIES` fp32 copies, and the backward's fp32 accumulators: N x H for the
@@ -276,7 +422,7 @@ def logits(shape: Shape, setup: Setup) -> int:
         tokens = setup.batch * (setup.seq if setup.method == "sft" else (setup.completion or setup.seq))
     dtype = 2 if setup.mixed_precision else 4
     tile = min(tokens, TILE_TOKENS) * min(shape.vocab, TILE_VOCAB)
-    head = 0 if setup.lora_rank else shape.vocab * shape.hidden * (4 + (2 if sixteen_bit_weights(setup) else 0))
+    head = 0 if setup.lora_rank or not head_trains else shape.vocab * shape.hidden * (4 + (2 if sixteen_bit_weights(setup) else 0))
     return tile * (dtype + 4 * TILE_FP32_COPIES["cpu" if setup.cpu else "cuda"]) + 4 * tokens * shape.hidden + head
 
 
@@ -292,14 +438,15 @@ def generation(shape: Shape, setup: Setup) -> int:
     return 2 * shape.layers * shape.kv_dim * g * setup.seq * (2 if setup.mixed_precision else 4)
 
 
-def autocast_copies(p: int, t: int, setup: Setup) -> int:
+def autocast_copies(p: int, t: int, setup: Setup, backward_params: int | None = None) -> int:
     """The 16-bit casts of fp32 weights that bf16 autocast hands to each matmul and autograd
-    keeps for the backward pass: 2 bytes per fp32 weight (all of them when the model is
-    loaded in fp32, else the LoRA adapter's), without gradient checkpointing (which keeps
-    only each layer's input and recomputes the rest)."""
+    keeps for the backward pass: 2 bytes per fp32 weight the backward pass runs through
+    (`backward_params`: all of them unless partial training stops it lower) when the model is
+    loaded in fp32, else the LoRA adapter's, without gradient checkpointing (which keeps only
+    each layer's input and recomputes the rest)."""
     if not setup.mixed_precision or sixteen_bit_weights(setup) or setup.gradient_checkpointing:
         return 0
-    fp32 = p if setup.load_bytes == 4 else (t if p > t else 0)
+    fp32 = (p if backward_params is None else backward_params) if setup.load_bytes == 4 else (t if p > t else 0)
     return int(2 * fp32 / setup.gpus / setup.nodes) if setup.zero == 3 else 2 * fp32
 
 
@@ -307,30 +454,38 @@ def plan(config: dict, setup: Setup) -> Plan:
     """Every part of one training setup's peak memory per GPU."""
     s = shape(config)
     p = s.params
-    t = s.lora_params(setup.lora_rank, setup.lora_modules) + setup.extra_trainable if setup.lora_rank else \
-        (setup.trainable_params or p)
+    what = trained(s, setup)
+    t = what.params
     n = setup.gpus * setup.nodes
     frozen_dtype = 2 if sixteen_bit_weights(setup) else setup.load_bytes if setup.mixed_precision else 4
     added = t if setup.lora_rank else 0  # the adapter and peft's trainable copies of `modules_to_save`
-    weights, gradients, optimizer = model_states(p + added, t, s.largest_layer, setup)
+    optimizer_plan = None
+    if not sixteen_bit_weights(setup):
+        optimizer_plan = optimizer_states(s, setup, what, 4 if setup.lora_rank or not setup.mixed_precision
+                                          else setup.load_bytes)
+    weights, gradients, optimizer = model_states(p + added, t, s.largest_layer, setup, optimizer_plan)
     states = weights + gradients + optimizer
     # TRL's reference model, loaded as the policy: absent with beta 0, and with LoRA (the base with adapters off)
     frozen_copy = int(frozen_dtype * p / n) if setup.zero == 3 else frozen_dtype * p
     reference = frozen_copy if setup.method in ("grpo", "ppo") and setup.beta > 0 and not setup.lora_rank else 0
     critic = states if setup.method == "ppo" else 0          # a value model as large as the policy, trained
     reward_model = frozen_copy if setup.method == "ppo" else 0
-    acts = activations(s, setup) + autocast_copies(p + added, t, setup)
-    logit, gen = logits(s, setup), generation(s, setup)
+    partial = not setup.lora_rank and what.depth < s.layers
+    layer_params = sum(x.numel for x in s.layer_tensors())
+    through = what.depth * layer_params + s.vocab * s.hidden if partial else None
+    acts = activations(s, setup, what.depth) + autocast_copies(p + added, t, setup, through)
+    logit, gen = logits(s, setup, what.head), generation(s, setup)
     gather = 2 * p if setup.gather_for_generation and setup.zero == 3 and not setup.vllm_share else 0
     resident = weights + optimizer + reference + critic + reward_model + (gen if setup.vllm_share else 0)
     held = gradients if gradients_held(setup) else 0
-    backward = acts + logit + held if held else max(acts + logit, gradients)
+    step = gradients + (optimizer_plan.transient if optimizer_plan else 0)  # the optimizer step's own transient
+    backward = max(acts + logit + held, step) if held else max(acts + logit, step)
     sampling = 0 if setup.vllm_share else gen + gather + held   # the KV cache is freed before the loss
     return Plan(params=p, trainable_params=t, largest_layer_params=s.largest_layer, weights_bytes=weights,
                 gradients_bytes=gradients, optimizer_bytes=optimizer, model_states_bytes=states,
                 reference_bytes=reference, critic_bytes=critic, reward_model_bytes=reward_model,
                 activations_bytes=acts, logits_bytes=logit, generation_bytes=gen + gather,
-                total_bytes=resident + max(backward, sampling))
+                optimizer_step_bytes=step - gradients, total_bytes=resident + max(backward, sampling))
 
 
 def gradients_held(setup: Setup) -> bool:
@@ -355,7 +510,10 @@ def check_ranges(setup: Setup, where: str) -> None:
     completion = setup.seq if setup.completion is None else setup.completion
     ranges = [("--gpus", setup.gpus, 1, MOST_GPUS_PER_NODE), ("--nodes", setup.nodes, 1, MOST_NODES),
               ("--batch", setup.batch, 1, LARGEST_DIMENSION), ("--seq", setup.seq, 1, LARGEST_DIMENSION),
-              ("--completion", completion, 1, setup.seq), ("--lora-rank", setup.lora_rank, 0, LARGEST_DIMENSION)]
+              ("--completion", completion, 1, setup.seq), ("--lora-rank", setup.lora_rank, 0, LARGEST_DIMENSION),
+              ("--galore-rank", setup.galore_rank, 1, LARGEST_DIMENSION),
+              ("--sketch-rank", setup.sketch_rank, 1, LARGEST_DIMENSION),
+              ("--trainable-layers", setup.trainable_layers, 0, LARGEST_DIMENSION)]
     for flag, value, low, high in ranges:
         if not low <= value <= high:
             limit = " (at most --seq)" if flag == "--completion" else ""
@@ -365,6 +523,29 @@ def check_ranges(setup: Setup, where: str) -> None:
                                     ("--vllm-share", setup.vllm_share, 1, "a fraction from 0 up to (not including) 1")]:
         if not 0 <= value < high:  # NaN fails every comparison
             raise UserError(f"{where} {flag}", f"out of range: {show(value)}", f"pass {what}")
+
+
+def check_optimizer(setup: Setup, where: str) -> None:
+    """`--optim` and the levers beside it as one training job can combine them: a `UserError`
+    naming the flag otherwise."""
+    from posttrain.errors import UserError
+    from posttrain.training.optimizer_options import optimizer_names
+
+    family = optimizers.kind(setup.optim)
+    if setup.optim != "logra" and setup.optim not in optimizer_names():
+        raise UserError(f"{where} --optim", f"{show(setup.optim)} is not a transformers optimizer",
+                        "pass one of transformers' `optim` names (e.g. adamw_torch, adamw_bnb_8bit, galore_adamw), "
+                        "or logra")
+    if setup.lora_rank and (family in ("galore", "logra") or setup.trainable_layers):
+        flag = "--trainable-layers" if setup.trainable_layers else "--optim"
+        raise UserError(f"{where} {flag}", "a LoRA adapter trains on its own low-rank weights",
+                        "leave out --lora-rank, or the other lever")
+    if family == "galore" and setup.zero:
+        raise UserError(f"{where} --optim", "GaLore projects each weight's whole gradient: transformers runs it "
+                        "without sharding (DDP)", "plan it with --zero 0")
+    if family == "logra" and engine(setup) == "deepspeed":
+        raise UserError(f"{where} --optim", "LoGRA sketches whole weight matrices, which DeepSpeed's flat partitions "
+                        "are not", "plan it with --engine trainer (DDP, or FSDP as --zero 3)")
 
 
 def report(model: str, setup: Setup, *, gpu: str | None, gpus_file: str) -> dict:
@@ -381,9 +562,14 @@ def report(model: str, setup: Setup, *, gpu: str | None, gpus_file: str) -> dict
         raise UserError(f"{where} --offload-params", "only ZeRO-3 shards and offloads the weights", "add --zero 3")
     if setup.vllm_share and not gpu:
         raise UserError(f"{where} --vllm-share", "a share of which GPU?", "name it with --gpu")
+    check_optimizer(setup, where)
     gpu_bytes = int(load_gpu_profile(gpus_file, gpu)["memory_gib"] * GIB) if gpu else 0
     try:
         config = load_config_json(model)
+        layers = shape(config).layers
+        if setup.trainable_layers > layers:
+            raise UserError(f"{where} --trainable-layers", f"{setup.trainable_layers} exceeds the model's {layers} "
+                            "decoder layers", f"pass at most {layers}")
         figures = plan(config, Setup(**{**asdict(setup), "gpu_bytes": gpu_bytes})).as_dict()
     except FileNotFoundError:
         raise UserError(model, "no config.json found", "pass a model folder or a config.json path") from None

@@ -85,8 +85,23 @@ def parameter_sizes(config) -> tuple[dict[str, int], int]:
     return _sizes(str(resolve(config.model.path)), None)
 
 
+def linear_modules(config) -> list[str]:
+    """The names of the base model's linear modules (GaLore's targets), on the meta device."""
+    if config.model.path is None:
+        return _linears(None, json.dumps(config.model.tiny.model_dump(), sort_keys=True))
+    from posttrain.plugins import resolve
+
+    return _linears(str(resolve(config.model.path)), None)
+
+
 @functools.lru_cache(maxsize=4)
-def _sizes(path: str | None, tiny: str | None) -> tuple[dict[str, int], int]:
+def _linears(path: str | None, tiny: str | None) -> list[str]:
+    from torch import nn
+
+    return [name for name, module in _meta_model(path, tiny).named_modules() if isinstance(module, nn.Linear)]
+
+
+def _meta_model(path: str | None, tiny: str | None):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -97,8 +112,13 @@ def _sizes(path: str | None, tiny: str | None) -> tuple[dict[str, int], int]:
     else:
         model_config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
-    return {name: p.numel() for name, p in model.named_parameters()}, model_config.num_hidden_layers
+        return AutoModelForCausalLM.from_config(model_config)
+
+
+@functools.lru_cache(maxsize=4)
+def _sizes(path: str | None, tiny: str | None) -> tuple[dict[str, int], int]:
+    model = _meta_model(path, tiny)
+    return {name: p.numel() for name, p in model.named_parameters()}, model.config.num_hidden_layers
 
 
 def freeze(model, spec, where: str = "trainable") -> dict[str, float]:

@@ -31,6 +31,7 @@ def check_trl_blocks(path: Path, config: PipelineConfig) -> None:
     the LoRA configs from the `peft:` blocks."""
     from trl import GRPOConfig, SFTConfig
 
+    check_optimizers(path, config)
     blocks = [("sft", SFTConfig, config.sft.trl)]
     blocks += [(stage.field, world_sized(GRPOConfig, config.stage_launcher(stage)), grpo_trl_options(config.grpo[stage.name]))
                for stage in map(StageId.grpo, config.grpo)]
@@ -41,6 +42,22 @@ def check_trl_blocks(path: Path, config: PipelineConfig) -> None:
         if options is not None:
             build_lora_config(f"{path}: {stage.field}.peft", options)
     check_trainable(path, config)
+
+
+def check_optimizers(path: Path, config: PipelineConfig) -> None:
+    """Each training stage's `optim` and its options (posttrain.training.optimizer_options)."""
+    from posttrain.capacity.fit import sharding
+    from posttrain.runtime.host_checks import cuda_devices
+    from posttrain.training import optimizer_options, trainable
+
+    for stage in training_stages(config):
+        section, launcher = config.stage_section(stage), config.stage_launcher(stage)
+        if section.trl.get("optim") is None:
+            continue
+        where = f"{path}: {config.launcher_field(stage)}"
+        optimizer_options.check(f"{path}: {stage.field}.trl", section.trl, peft=section.peft is not None,
+                                sharded=sharding(launcher, where)["zero"] > 0, processes=launcher.processes,
+                                linear_modules=lambda: trainable.linear_modules(config), cuda=cuda_devices() > 0)
 
 
 def check_trainable(path: Path, config: PipelineConfig) -> None:
