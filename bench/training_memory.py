@@ -32,7 +32,28 @@ CASES = {  # method, gradient checkpointing, beta, LoRA rank, tokens per sequenc
     "grpo": ("grpo", False, 0.0, 0, 128), "grpo_ref": ("grpo", False, 0.04, 0, 128),
     "grpo_gc": ("grpo", True, 0.0, 0, 128),
     "sft_long": ("sft", True, 0.0, 0, 1024),  # 8 x 1,023 scored tokens: two of TRL's logit tiles down
+    # the memory savers (issue 30): bitsandbytes' 8-bit AdamW, GaLore rank 32, the top half of the layers
+    "sft_8bit": ("sft", False, 0.0, 0, 128), "grpo_8bit": ("grpo", False, 0.0, 0, 128),
+    "sft_galore": ("sft", False, 0.0, 0, 128), "grpo_galore": ("grpo", False, 0.0, 0, 128),
+    "sft_top": ("sft", False, 0.0, 0, 128), "grpo_top": ("grpo", False, 0.0, 0, 128),
 }
+GALORE_RANK = 32
+SAVERS = {  # case suffix -> (TRL options, memory.Setup fields)
+    "8bit": ({"optim": "adamw_bnb_8bit"}, {"optim": "adamw_bnb_8bit"}),
+    "galore": ({"optim": "galore_adamw", "optim_args": f"rank={GALORE_RANK}", "optim_target_modules": "all-linear"},
+               {"optim": "galore_adamw", "galore_rank": GALORE_RANK, "galore_targets": "all-linear"}),
+    "top": ({}, {}),   # trainable_layers: half the model's, set per size
+}
+
+
+def saver(case: str, layers: int) -> tuple[dict, dict, int]:
+    """(TRL options, plan fields, top layers trained: 0 for all) of a case's memory saver."""
+    name = case.rsplit("_", 1)[-1]
+    if name not in SAVERS:
+        return {}, {}, 0
+    trl, fields = SAVERS[name]
+    top = layers // 2 if name == "top" else 0
+    return trl, {**fields, **({"trainable_layers": top} if top else {})}, top
 BATCH, PROMPT = 8, 32  # GRPO: completions of the sequence length less the prompt
 
 
@@ -58,14 +79,15 @@ def one_case(size: str, case: str) -> dict:
     config = model_config(size)
     LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    trl, fields, top = saver(case, config["num_hidden_layers"])
     trainer = build_trainer(folder, tokenizer, method=method, checkpointing=checkpointing, beta=beta, rank=rank,
-                            seq=seq, use_cpu=True, bf16=False, dataloader_num_workers=0)
+                            seq=seq, top_layers=top, use_cpu=True, bf16=False, dataloader_num_workers=0, **trl)
     before = in_use()
     with Peak() as peak:
         trainer.train()
     planned = plan(config, Setup(method=method, mixed_precision=False, cpu=True, batch=BATCH, seq=seq,
                                  completion=None if method == "sft" else seq - PROMPT,
-                                 gradient_checkpointing=checkpointing, beta=beta, lora_rank=rank)).as_dict()
+                                 gradient_checkpointing=checkpointing, beta=beta, lora_rank=rank, **fields)).as_dict()
     weights = sum(t.numel() * t.element_size() for m in (trainer.model, getattr(trainer, "ref_model", None))
                   if m is not None for t in m.parameters())
     # the model's (and reference's) weights were allocated before; what train() added on top, at its highest
@@ -74,11 +96,25 @@ def one_case(size: str, case: str) -> dict:
 
 
 def build_trainer(folder: str, tokenizer, *, method: str, checkpointing: bool, beta: float, rank: int, seq: int,
-                  batch: int = BATCH, prompt: int = PROMPT, **device):
+                  batch: int = BATCH, prompt: int = PROMPT, top_layers: int = 0, **device):
     """TRL's SFTTrainer or GRPOTrainer for two optimizer steps of `batch` sequences of `seq`
     tokens (GRPO: `batch` completions of `seq - prompt` tokens of one prompt group), a
-    LoRA adapter of rank `rank` on every linear when > 0; `device`: TRL options (use_cpu,
-    bf16, ...). The CUDA bench (training_memory_cuda.py) builds its steps here too."""
+    LoRA adapter of rank `rank` on every linear when > 0; only the top `top_layers` decoder
+    layers and the final norm trained when > 0 (posttrain.training.trainable, as a stage's
+    `trainable:` freezes); `device`: TRL options (use_cpu, bf16, optim, ...). The CUDA bench
+    (training_memory_cuda.py) builds its steps here too."""
+    trainer = _trainer(folder, tokenizer, method=method, checkpointing=checkpointing, beta=beta, rank=rank, seq=seq,
+                       batch=batch, prompt=prompt, **device)
+    if top_layers:
+        from posttrain.config import TrainableSection
+        from posttrain.training.trainable import freeze
+
+        freeze(trainer.model, TrainableSection(top_layers=top_layers))
+    return trainer
+
+
+def _trainer(folder: str, tokenizer, *, method: str, checkpointing: bool, beta: float, rank: int, seq: int,
+             batch: int, prompt: int, **device):
     import tempfile
 
     from datasets import Dataset

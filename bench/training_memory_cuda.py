@@ -16,8 +16,9 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 
-from training_memory import BATCH, build_trainer, run_cases  # bench/ is on the path: the script's own folder
+from training_memory import BATCH, build_trainer, run_cases, saver  # bench/ is on the path: the script's own folder
 
 QWEN05B = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "num_hidden_layers": 24,
            "num_attention_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864,
@@ -25,6 +26,10 @@ QWEN05B = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "num
 CASES = {  # method, gradient checkpointing, beta, LoRA rank
     "sft": ("sft", False, 0.0, 0), "sft_gc": ("sft", True, 0.0, 0), "sft_lora": ("sft", True, 0.0, 16),
     "grpo": ("grpo", False, 0.0, 0), "grpo_ref": ("grpo", True, 0.04, 0), "grpo_gc": ("grpo", True, 0.0, 0),
+    # the memory savers (training_memory.SAVERS): 8-bit AdamW, GaLore, the top half of the layers
+    "sft_8bit": ("sft", False, 0.0, 0), "grpo_8bit": ("grpo", False, 0.0, 0),
+    "sft_galore": ("sft", False, 0.0, 0), "grpo_galore": ("grpo", False, 0.0, 0),
+    "sft_top": ("sft", False, 0.0, 0), "grpo_top": ("grpo", False, 0.0, 0),
 }
 SEQ, PROMPT = 1024, 64
 
@@ -42,16 +47,20 @@ def one_case(case: str) -> dict:
     config = AutoConfig.for_model(**QWEN05B)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    trl, fields, top = saver(case, QWEN05B["num_hidden_layers"])
     trainer = build_trainer(folder, tokenizer, method=method, checkpointing=checkpointing, beta=beta, rank=rank,
-                            seq=SEQ, prompt=PROMPT, bf16=True)  # TRL loads the weights in fp32, trains under autocast
+                            seq=SEQ, prompt=PROMPT, top_layers=top, bf16=True, **trl)  # fp32 weights, bf16 autocast
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
     trainer.train()
     torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
     planned = plan(QWEN05B, Setup(method=method, batch=BATCH, seq=SEQ, completion=None if method == "sft" else
-                                  SEQ - PROMPT, gradient_checkpointing=checkpointing, beta=beta, lora_rank=rank))
+                                  SEQ - PROMPT, gradient_checkpointing=checkpointing, beta=beta, lora_rank=rank,
+                                  **fields))
     return {"case": case, "measured_bytes": torch.cuda.max_memory_allocated(), "plan": planned.as_dict(),
-            "gpu": torch.cuda.get_device_name()}
+            "gpu": f"{torch.cuda.get_device_name()}, {seconds:.1f} s for 2 steps"}
 
 
 def main() -> int:

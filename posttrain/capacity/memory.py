@@ -475,7 +475,8 @@ def plan(config: dict, setup: Setup) -> Plan:
     through = what.depth * layer_params + s.vocab * s.hidden if partial else None
     acts = activations(s, setup, what.depth) + autocast_copies(p + added, t, setup, through)
     logit, gen = logits(s, setup, what.head), generation(s, setup)
-    gather = 2 * p if setup.gather_for_generation and setup.zero == 3 and not setup.vllm_share else 0
+    gather = 2 * p if setup.gather_for_generation and setup.zero == 3 and not (setup.vllm_share or setup.vllm_server) \
+        else 0  # TRL gathers the ZeRO-3 model for transformers' generate, not for a vLLM engine
     resident = weights + optimizer + reference + critic + reward_model + (gen if setup.vllm_share else 0)
     held = gradients if gradients_held(setup) else 0
     step = gradients + (optimizer_plan.transient if optimizer_plan else 0)  # the optimizer step's own transient

@@ -173,3 +173,46 @@ def vllm_problem(trl: dict, *, cuda: bool, vllm: str | None, supported: str,
             return (option, f"the vLLM server {show(url)} does not answer ({problem})", "start it first (`trl "
                     "vllm-serve --model MODEL`, infra/slurm/train.sbatch) or correct the URL")
     return None
+
+
+def sharding(launcher, where: str) -> dict:
+    """ZeRO stage, engine and offload of a launcher: its accelerate config's (loaded by
+    accelerate; DeepSpeed's own stage and offload, inline or in `deepspeed_config_file`;
+    FSDP shards as ZeRO-3 with the Trainer's states); DDP otherwise."""
+    if launcher.accelerate_config is None:
+        return {"zero": 0, "engine": "trainer"}
+    loaded = accelerate_config(where, launcher.accelerate_config)
+    kind = distributed_type(loaded)
+    if kind == "DEEPSPEED":
+        ds = loaded.deepspeed_config or {}
+        stage, optimizer, params = ds.get("zero_stage", 0), ds.get("offload_optimizer_device"), \
+            ds.get("offload_param_device")
+        if ds.get("deepspeed_config_file"):  # DeepSpeed's own JSON holds them: read by accelerate's reader
+            json_config = deepspeed_json(ds["deepspeed_config_file"], f"{where}.accelerate_config")
+            stage, optimizer, params = (json_config.get_value(f"zero_optimization.{key}") for key in
+                                        ("stage", "offload_optimizer.device", "offload_param.device"))
+        stage = zero_stage(stage, f"{where}.accelerate_config")
+        return {"zero": stage, "engine": "deepspeed", "offload_optimizer": optimizer in ("cpu", "nvme"),
+                "offload_params": stage == 3 and params in ("cpu", "nvme")}
+    if kind == "FSDP":
+        fsdp = loaded.fsdp_config or {}
+        offload = str(fsdp.get("fsdp_offload_params", False)).lower() == "true"
+        return {"zero": 3, "engine": "trainer", "offload_optimizer": offload, "offload_params": offload}
+    return {"zero": 0, "engine": "trainer"}
+
+
+def deepspeed_json(file: str, where: str):
+    """DeepSpeed's JSON config, through accelerate's `HfDeepSpeedConfig`."""
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig
+
+    if not Path(file).is_file():  # accelerate would parse the name itself as JSON; a FIFO would block the read
+        raise UserError(where, f"its deepspeed_config_file {show(file)} is not a file", "point it at DeepSpeed's "
+                        "JSON config")
+    try:
+        return HfDeepSpeedConfig(file)
+    except (OSError, ValueError, RecursionError) as err:
+        raise UserError(where, f"cannot read its deepspeed_config_file {file}: {type(err).__name__}",
+                        "point it at DeepSpeed's JSON config") from None
+    except (AttributeError, TypeError):  # accelerate walks it as nested objects
+        raise UserError(where, f"its deepspeed_config_file {file} is JSON, but not an object of DeepSpeed's options "
+                        "(zero_optimization: {stage: ...})", "point it at DeepSpeed's JSON config") from None

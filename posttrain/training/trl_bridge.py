@@ -46,8 +46,7 @@ def check_trl_blocks(path: Path, config: PipelineConfig) -> None:
 
 def check_optimizers(path: Path, config: PipelineConfig) -> None:
     """Each training stage's `optim` and its options (posttrain.training.optimizer_options)."""
-    from posttrain.capacity.fit import sharding
-    from posttrain.runtime.host_checks import cuda_devices
+    from posttrain.runtime.host_checks import cuda_devices, sharding
     from posttrain.training import optimizer_options, trainable
 
     for stage in training_stages(config):
