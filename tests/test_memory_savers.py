@@ -175,3 +175,49 @@ def test_the_stage_plan_reads_the_optimizer_from_trl(tmp_path):
         plans[name] = pipeline_plan(load_config(path), config_path=path, prompt_chars=8)["stages"]["sft"]
     assert plans["galore"]["setup"]["galore_rank"] == 8 and plans["galore"]["setup"]["optim"] == "galore_adamw"
     assert plans["8bit"]["optimizer_bytes"] < plans["adamw"]["optimizer_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optim, extra", [
+    ("adamw_bnb_8bit", {}),
+    ("galore_adamw", {"optim_args": "rank=8", "optim_target_modules": "all-linear"}),
+    ("adamw_torch", {}),
+])
+def test_a_real_step_keeps_the_states_the_plan_counts(tmp_path, optim, extra):
+    """Two real TRL SFT steps on the tiny model (hidden 256, wider than bitsandbytes' 4,096-element
+    threshold and GaLore's rank) with each optimizer: the weights move, and the bytes of every state
+    tensor the optimizer holds (storage, once each: a GaLore projection is a view of its SVD factor)
+    equal the plan's optimizer bytes."""
+    import torch
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from posttrain.training.tiny_model import save_tiny_model, tiny_config
+    from transformers import AutoTokenizer
+
+    shape_args = dict(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512,
+                      max_positions=32)
+    save_tiny_model(tmp_path / "m", seed=0, **shape_args)
+    rows = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(6) for b in range(6)]
+    args = SFTConfig(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=8, learning_rate=1e-3,
+                     use_cpu=True, bf16=False, report_to=[], save_strategy="no", disable_tqdm=True, optim=optim,
+                     **extra)
+    trainer = SFTTrainer(model=str(tmp_path / "m"), args=args, train_dataset=Dataset.from_list(rows),
+                         processing_class=AutoTokenizer.from_pretrained(tmp_path / "m"))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert all(not torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters())
+    storages, held = set(), 0
+    for state in trainer.optimizer.state.values():
+        tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+        tensors += [state["projector"].ortho_matrix] if "projector" in state else []
+        for t in tensors:  # not the step counter, nor bitsandbytes' two quantisation maps, shared by all
+            shared = any(t is state.get(q) for q in ("qmap1", "qmap2"))
+            key = t.untyped_storage().data_ptr()
+            if t.dim() and not shared and key not in storages:
+                storages.add(key)
+                held += t.untyped_storage().nbytes()
+    config = tiny_config(**shape_args).to_dict()
+    fields = {"optim": optim, **({"galore_rank": 8, "galore_targets": "all-linear"} if "galore" in optim else {})}
+    planned = plan(config, Setup(method="sft", mixed_precision=False, cpu=True, **fields))
+    assert held == planned.optimizer_bytes, (held, planned.optimizer_bytes)
