@@ -526,6 +526,10 @@ def check_ranges(setup: Setup, where: str) -> None:
             raise UserError(f"{where} {flag}", f"out of range: {show(value)}", f"pass {what}")
 
 
+LOGRA_ESTIMATE = ("LoGRA is an estimate from NeMo Automodel's documented gradient_sketch optimizer (no maintained "
+                  "implementation runs here): fp32 sketches and every attention and MLP projection assumed")
+
+
 def check_optimizer(setup: Setup, where: str) -> None:
     """`--optim` and the levers beside it as one training job can combine them: a `UserError`
     naming the flag otherwise."""
@@ -581,4 +585,6 @@ def report(model: str, setup: Setup, *, gpu: str | None, gpus_file: str) -> dict
         raise UserError(model, f"cannot plan this model ({detail})", "pass a dense decoder's config.json") from None
     if gpu:
         figures.update(gpu=gpu, gpu_bytes=gpu_bytes, fits=figures["total_bytes"] <= gpu_bytes)
+    if setup.optim == "logra":
+        figures["estimate"] = LOGRA_ESTIMATE
     return figures
