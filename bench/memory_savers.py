@@ -24,8 +24,12 @@ import argparse
 import copy
 import json
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
+
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -34,6 +38,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from real_model import interval, machine  # noqa: E402
 from seed_sweep import K, run_seed  # noqa: E402
 
+from posttrain import workspace  # noqa: E402
 from posttrain.config import read_config_dict  # noqa: E402
 from posttrain.files import read_json  # noqa: E402
 from posttrain.scoring import stats  # noqa: E402
@@ -51,6 +56,26 @@ def variant(name: str) -> dict:
     stage.update({k: v for k, v in change.items() if k != "trl"})
     config["grpo"] = {"dense": stage}
     return config
+
+
+def run_variant(root: Path, name: str, seed: int, uri: str, full: Path) -> Path:
+    """`name`'s workspace for `seed`: a copy of the finished `full` one (git, DVC cache, the SFT
+    model) with its config changed, run again (`posttrain run`): DVC reruns the GRPO stage and what
+    follows it, not the warmup, so every variant starts from the same SFT model."""
+    ws = root / name / f"seed{seed}"
+    done = ws / "variant-finished"
+    if done.is_file():
+        return ws
+    shutil.rmtree(ws, ignore_errors=True)
+    shutil.copytree(full, ws, symlinks=True, ignore=shutil.ignore_patterns("posttrain-retrain.lock"))
+    (ws / "configs" / "pipeline.yaml").write_text(yaml.safe_dump({**variant(name), "seed": seed}, sort_keys=False))
+    with open(root / name / f"seed{seed}.log", "w") as out:
+        ran = subprocess.run([workspace.tool_path("posttrain"), "run", "--workdir", str(ws)], cwd=ws, stdout=out,
+                             stderr=subprocess.STDOUT, env={**os.environ, "MLFLOW_TRACKING_URI": uri})
+    if ran.returncode:
+        raise SystemExit(f"{name} seed {seed}: posttrain run failed (exit {ran.returncode}); see its log")
+    done.write_text("")
+    return ws
 
 
 def summarise(ws: Path, name: str, seed: int, full: Path, resamples: int) -> dict:
@@ -104,11 +129,12 @@ def main() -> None:
     uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / 'mlflow.db'}"
     rows = []
     for seed in args.seeds:
-        done = {}
+        (root / "full").mkdir(exist_ok=True)
+        full = run_seed(root / "full", variant("full"), seed, uri)
         for name in ["full"] + [v for v in args.variants if v != "full"]:
             (root / name).mkdir(exist_ok=True)
-            done[name] = run_seed(root / name, variant(name), seed, uri)
-            rows.append(summarise(done[name], name, seed, done["full"], args.resamples))
+            ws = full if name == "full" else run_variant(root, name, seed, uri, full)
+            rows.append(summarise(ws, name, seed, full, args.resamples))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     text = (f"Measured on {machine()}; the default recipe (tiny model, {rows[0]['n_prompts']} held-out prompts), "
             "the GRPO stage changed alone.\n\n" + table(rows))
