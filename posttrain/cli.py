@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 from posttrain.errors import GateFailure, ReplayError, StageFailed, TrainingFailed, UserError
-from posttrain.capacity.memory import LINEAR_NAMES
 from posttrain.capacity.profiles import PACKAGED as PACKAGED_PROFILES
 from posttrain.redact import guard_standard_streams, redact_text
 
@@ -162,8 +161,8 @@ def add_memory_parser(sub) -> None:
                         "moments), an 8-bit one (adamw_bnb_8bit: bitsandbytes' block-wise states), sgd (none), "
                         "galore_adamw (projected moments); or logra (LoGRA's gradient sketch: an estimate)")
     memory.add_argument("--galore-rank", type=int, default=128, help="GaLore's rank (with --optim galore_adamw)")
-    memory.add_argument("--galore-modules", default=",".join(LINEAR_NAMES), help="the linears GaLore projects "
-                        "(optim_target_modules: names, comma-separated, or all-linear)")
+    memory.add_argument("--galore-modules", help="the linears GaLore projects (optim_target_modules: names, "
+                        "comma-separated, or all-linear); default: every attention and MLP projection")
     memory.add_argument("--sketch-rank", type=int, default=256, help="LoGRA's sketch rank (with --optim logra)")
     memory.add_argument("--trainable-layers", type=int, default=0, help="train only the top this many decoder "
                         "layers and the final norm (a stage's trainable.top_layers); 0: every weight")
@@ -370,13 +369,14 @@ def print_kv(args) -> None:
 
 def print_memory(args) -> None:
     """`posttrain memory`: the plan (posttrain.capacity.memory) as JSON or aligned lines in GiB."""
-    from posttrain.capacity.memory import GIB, Setup, report
+    from posttrain.capacity.memory import GIB, LINEAR_NAMES, Setup, report
 
     if args.config is not None:
         return print_pipeline_memory(args)
     if args.model is None:
         raise UserError("posttrain memory", "no model given", "pass a model folder (or config.json), or --config FILE")
-    modules = args.galore_modules if args.galore_modules in ("all-linear", "all_linear") else \
+    modules = LINEAR_NAMES if args.galore_modules is None else args.galore_modules \
+        if args.galore_modules in ("all-linear", "all_linear") else \
         tuple(m.strip() for m in args.galore_modules.split(",") if m.strip())
     setup = Setup(optim=args.optim, galore_rank=args.galore_rank, galore_targets=modules,
                   sketch_rank=args.sketch_rank, trainable_layers=args.trainable_layers, engine=args.engine, method=args.method, zero=args.zero, gpus=args.gpus, nodes=args.nodes,
