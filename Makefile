@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: install run test test-fast docs repro bench bench-throughput bench-scaling bench-seeds bench-real bench-tools bench-audit bench-hacking smollm2 clean
+.PHONY: install run test test-fast docs repro bench bench-throughput bench-scaling bench-seeds bench-real bench-tools bench-audit bench-hacking bench-savers bench-memory-table smollm2 clean
 
 install: $(VENV)/.installed
 
@@ -79,6 +79,14 @@ bench-audit: install
 # a hackable SQL reward against the execution reward, same budget, seeds 0-2 (docs/audit.md)
 bench-hacking: install
 	$(BIN)/python bench/reward_hacking.py $(if $(ROOT),--root $(ROOT))
+
+# the default GRPO stage full, with 8-bit AdamW and with the top half of the layers (docs/memory.md)
+bench-savers: install
+	$(BIN)/python bench/memory_savers.py $(if $(ROOT),--root $(ROOT))
+
+# GRPO on 8 x H100 for a 27B and a 70B model, each memory lever and the cheapest fit (arithmetic)
+bench-memory-table: install
+	$(BIN)/python bench/memory_table.py
 
 clean:
 	rm -rf data artifacts checkpoints reports logs mlflow.db mlartifacts runs
