@@ -271,27 +271,26 @@ class OptimizerStates:
     transient: int
 
 
-def galore_targets(shape: Shape, setup: Setup, what: Trained) -> set[str]:
-    """The trained linear weights GaLore projects: modules named by `galore_targets` as
-    transformers matches `optim_target_modules` (`check_target_module_exists`; `all-linear`
-    is every linear layer, the output head too)."""
-    targets = setup.galore_targets
-    linears = [t for t, _ in what.tensors if t.linear]
-    if targets in ("all-linear", "all_linear"):
-        return {t.name for t in linears}
-    from transformers.trainer_utils import check_target_module_exists
+def galore_targets(setup: Setup, what: Trained) -> set[str]:
+    """The trained linear weights GaLore projects: the modules `galore_targets` names, as
+    transformers matches `optim_target_modules` (`all-linear`: every linear, the head too)."""
+    from posttrain.training.optimizer_options import matching
 
-    return {t.name for t in linears if check_target_module_exists(
-        list(targets) if isinstance(targets, tuple) else targets, t.module().format(i=0))}
+    modules = {t.module().format(i=0): t.name for t, _ in what.tensors if t.linear}
+    return {modules[m] for m in matching(setup.galore_targets, list(modules))}
 
 
-def optimizer_states(shape: Shape, setup: Setup, what: Trained, dtype: int) -> OptimizerStates:
+def logra_targets(what: Trained) -> set[str]:
+    """LoGRA's assumed targets: every trained attention and MLP projection."""
+    return {t.name for t, _ in what.tensors if t.linear and t.name.split(".")[-2] in LINEARS}
+
+
+def optimizer_states(setup: Setup, what: Trained, dtype: int) -> OptimizerStates:
     """The optimizer's bytes for the trained tensors, each by its rule
     (posttrain/capacity/optimizers.py); `dtype`: bytes per element of the trained weights."""
     family = optimizers.kind(setup.optim)
     gradients = states = transient = 0
-    targets = galore_targets(shape, setup, what) if family == "galore" else \
-        {t.name for t, _ in what.tensors if t.linear and t.name.split(".")[-2] in LINEARS} if family == "logra" else set()
+    targets = galore_targets(setup, what) if family == "galore" else logra_targets(what) if family == "logra" else set()
     for t, n in what.tensors:
         grad, state = dtype * t.numel, optimizers.adamw(t, dtype)
         if family == "8bit":
@@ -461,7 +460,7 @@ def plan(config: dict, setup: Setup) -> Plan:
     added = t if setup.lora_rank else 0  # the adapter and peft's trainable copies of `modules_to_save`
     optimizer_plan = None
     if not sixteen_bit_weights(setup):
-        optimizer_plan = optimizer_states(s, setup, what, 4 if setup.lora_rank or not setup.mixed_precision
+        optimizer_plan = optimizer_states(setup, what, 4 if setup.lora_rank or not setup.mixed_precision
                                           else setup.load_bytes)
     weights, gradients, optimizer = model_states(p + added, t, s.largest_layer, setup, optimizer_plan)
     states = weights + gradients + optimizer

@@ -62,21 +62,27 @@ def galore_args(where: str, optim_args) -> dict:
     return found
 
 
+def matching(targets, modules: list[str]) -> list[str]:
+    """The linear modules `optim_target_modules` names, as transformers matches them
+    (`check_target_module_exists`; `all-linear`: every one)."""
+    if isinstance(targets, str) and targets.replace("_", "-") == "all-linear":
+        return list(modules)
+    from transformers.trainer_utils import check_target_module_exists
+
+    return [m for m in modules if check_target_module_exists(list(targets) if isinstance(targets, tuple) else targets, m)]
+
+
 def galore_modules(where: str, targets, linear_modules: list[str]) -> list[str]:
     """The linear modules `optim_target_modules` names, as transformers matches them
     (`check_target_module_exists`; `all-linear`: every one); none is a `UserError`."""
     if targets is None:
         raise UserError(f"{where}.optim_target_modules", "GaLore needs the linear layers it projects",
                         f"name them, e.g. optim_target_modules: {GALORE_EXAMPLE}")
-    if isinstance(targets, str) and targets.replace("_", "-") == "all-linear":
-        return linear_modules
     if not (isinstance(targets, str) or isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
         raise UserError(f"{where}.optim_target_modules", f"{show(targets)} is not a list of names or a regex",
                         f"e.g. optim_target_modules: {GALORE_EXAMPLE}")
-    from transformers.trainer_utils import check_target_module_exists
-
     try:
-        found = [m for m in linear_modules if check_target_module_exists(targets, m)]
+        found = matching(targets, linear_modules)
     except re.error as err:
         raise UserError(f"{where}.optim_target_modules", f"not a regular expression ({err})",
                         f"name them in a list, e.g. {GALORE_EXAMPLE}") from None

@@ -68,30 +68,24 @@ def parameter_names(config) -> tuple[list[str], int]:
     return list(sizes), layers
 
 
-def trained_count(config, spec) -> int:
-    """How many of the base model's parameters `spec` trains (the memory plan's)."""
-    sizes, layers = parameter_sizes(config)
-    return sum(sizes[name] for name in selected(list(sizes), top_layers=spec.top_layers,
-                                                patterns=list(spec.patterns), num_layers=layers))
-
-
 def parameter_sizes(config) -> tuple[dict[str, int], int]:
     """(parameter name -> elements, decoder layers) of the base model, on the meta device; built
     once per model and process (`check` and the memory plan both ask)."""
-    if config.model.path is None:
-        return _sizes(None, json.dumps(config.model.tiny.model_dump(), sort_keys=True))
-    from posttrain.plugins import resolve
-
-    return _sizes(str(resolve(config.model.path)), None)
+    return _sizes(*_model_key(config))
 
 
 def linear_modules(config) -> list[str]:
     """The names of the base model's linear modules (GaLore's targets), on the meta device."""
+    return _linears(*_model_key(config))
+
+
+def _model_key(config) -> tuple[str | None, str | None]:
+    """(the resolved model path, or the tiny model's shape as JSON): what the meta-model caches key on."""
     if config.model.path is None:
-        return _linears(None, json.dumps(config.model.tiny.model_dump(), sort_keys=True))
+        return None, json.dumps(config.model.tiny.model_dump(), sort_keys=True)
     from posttrain.plugins import resolve
 
-    return _linears(str(resolve(config.model.path)), None)
+    return str(resolve(config.model.path)), None
 
 
 @functools.lru_cache(maxsize=4)
