@@ -28,6 +28,7 @@ def everything(path: str | Path, config: PipelineConfig, *, here: bool) -> tuple
     launchers (`here`: against this machine too). The longest prompt's characters, which
     the memory fit plans with."""
     path = Path(path)
+    dvc_params(path, config)
     env, rows = environment(path, config)
     gpu_profiles(path, config)
     longest = model_room(path, config, env, rows)
@@ -40,6 +41,8 @@ def for_stage(stage: str, path: str | Path, config: PipelineConfig) -> None:
     run checked everything before it; `dvc repro` alone did not): the environment and the
     model for the stages that build them, this machine's launchers for training."""
     path = Path(path)
+    if stage == "prepare":  # `dvc repro` alone: refused at its first stage, not at the one that lists the key
+        dvc_params(path, config)
     if stage in ("prepare", "sft", "grpo"):
         env, rows = environment(path, config)
         model_room(path, config, env, rows)
@@ -49,6 +52,47 @@ def for_stage(stage: str, path: str | Path, config: PipelineConfig) -> None:
         gpu_profiles(path, config)
         heads, kv_heads, _ = model_shape(path, config)
         _check_tensor_parallel(path, config.serving.tensor_parallel_size, heads, kv_heads)
+
+
+def dvc_params(path: Path, config: PipelineConfig) -> None:
+    """When `path` is a workspace's params file (configs/pipeline.yaml beside a dvc.yaml, as in
+    `make run`): every key its stages list as `params` is written in it. DVC reads params from
+    the file, not the schema's defaults, and stops at the first stage that lists a missing one
+    (after the stages before it ran); a workspace that `--config` lays out is written whole
+    (posttrain.workspace.workspace_params). Read with DVC's own index (foreach stages resolved
+    from the file's `grpo`) and its params dependencies."""
+    from posttrain.layout import PARAMS_FILE
+
+    given, path = path, path.resolve()
+    root = path.parents[1] if len(path.parents) > 1 else path.parent
+    if path != (root / PARAMS_FILE).resolve() or not (root / "dvc.yaml").is_file():
+        return
+    from dvc.dependency.param import ParamsDependency
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+
+    missing: dict[str, str] = {}
+    try:
+        with Repo(str(root)) as repo:
+            for stage in repo.index.stages:
+                for dep in stage.deps:
+                    if isinstance(dep, ParamsDependency) and Path(dep.fs_path).resolve() == path:
+                        found = dep.read_params()
+                        missing.update({key: stage.addressing for key in dep.params if key not in found
+                                        and key not in missing})
+    except DvcException as err:
+        raise UserError(str(root / "dvc.yaml"), f"DVC cannot read the pipeline ({err})",
+                        f"fix dvc.yaml or {PARAMS_FILE} as DVC says") from None
+    if missing:
+        key, stage = next(iter(missing.items()))
+        value = config.model_dump(mode="json", by_alias=True)
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        more = f" (and {', '.join(list(missing)[1:])})" if len(missing) > 1 else ""
+        raise UserError(f"{given}: {key}", f"missing{more}: dvc.yaml's stage {stage} tracks it as a param, and DVC "
+                        "reads params from this file, not the schema's defaults",
+                        f"write it, e.g. with its default ({key}: {json.dumps(value)}), or run with "
+                        "--config FILE (a workspace's params file is written whole)")
 
 
 def environment(path: Path, config: PipelineConfig) -> tuple[Any, dict[str, list[dict]]]:

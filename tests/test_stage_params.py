@@ -341,6 +341,35 @@ def test_the_verifier_row_fails_without_data_params(workspace, base, tmp_path):
         f"data.options.verifier: stage {s} does not rerun" for s in ("evaluate", "grpo@dense", "grpo@second", "sft")]
 
 
+def test_the_shipped_params_file_has_every_key_dvc_yaml_lists():
+    """`make run` runs this repository's dvc.yaml on configs/pipeline.yaml itself, where a key
+    left to the schema's default is missing for DVC: `gate.episodes_backend` and then
+    `data.episode` / `data.tool_limits` stopped a fresh clone's run at sft and at serving,
+    after the stages before them ran (workspaces write their params whole: no test saw it)."""
+    from posttrain import preflight
+
+    path = REPO / PARAMS_FILE
+    preflight.dvc_params(path, PipelineConfig.model_validate(read_config_dict(path)))
+
+
+def test_a_params_file_missing_a_key_is_refused_before_any_stage(tmp_path):
+    """The same file with keys taken out: `check` and `run` in the workspace refuse it in one
+    line naming the first key, its stage and its default, and nothing runs or is written."""
+    from hardening import assert_nothing_left, assert_refused, cli, state
+
+    ws = make_workspace(tmp_path / "ws", {})
+    params = ws / PARAMS_FILE
+    config = yaml.safe_load(params.read_text())
+    del config["gate"]["episodes_backend"], config["data"]["tool_limits"]
+    params.write_text(yaml.safe_dump(config, sort_keys=False))
+    before = state(tmp_path)
+    for args in (("check", "--config", PARAMS_FILE), ("run",)):
+        assert_refused(cli(*args, cwd=ws), "gate.episodes_backend", "stage sft", "data.tool_limits",
+                       'gate.episodes_backend: "transformers"')
+    (ws / ".dvc" / "tmp" / "posttrain-retrain.lock").unlink()  # the run's lock file (flows.lock) stays by design
+    assert_nothing_left(tmp_path, before)
+
+
 if __name__ == "__main__":  # python tests/test_stage_params.py OTHER_DVC_YAML
     with tempfile.TemporaryDirectory() as folder:
         config = base_config()
