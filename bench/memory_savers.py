@@ -7,9 +7,12 @@ held-out split.
 - `top_half`: `grpo.dense.trainable: {top_layers: 2}` (the top 2 of the tiny model's 4 layers
   and the final norm train; the embedding, which is also the head, and the lower layers are frozen).
 
-Per variant and seed: the final model's held-out greedy accuracy and pass@8 with 95% intervals,
-its change from the SFT model (paired McNemar / bootstrap p) and from the `full` run on the same
-prompts (paired), the gate's verdict, the stage's training seconds and its planned peak memory
+Per variant and seed: the trained model's held-out greedy accuracy and pass@8 with 95% intervals
+(the gate's evaluation of what the stage trained, `gate.n_samples` per prompt, recorded even when
+the gate rejects it and passes the SFT model on), its change from the SFT model (the gate's paired McNemar / bootstrap p) and from
+the `full` run on the same prompts (paired, on the evaluate stage's samples, where both models
+were kept; a rejected model's per-prompt outcomes are not, so its row gives the gate figures'
+difference, not paired), the gate's verdict, the stage's training seconds and its planned peak memory
 (the optimizer states and the total, as the stage logged its plan).
 
     .venv/bin/python bench/memory_savers.py                        # seed 0, ~25 min on 2 cores
@@ -79,40 +82,54 @@ def run_variant(root: Path, name: str, seed: int, uri: str, full: Path) -> Path:
 
 
 def summarise(ws: Path, name: str, seed: int, full: Path, resamples: int) -> dict:
-    evaluate, grpo = read_json(ws / "metrics" / "evaluate.json"), read_json(ws / "metrics" / "grpo" / "dense.json")
-    outcomes = read_json(ws / "reports" / "heldout_outcomes.json")
-    reference = read_json(full / "reports" / "heldout_outcomes.json")
+    """`name`'s row for `seed`: what its GRPO stage trained (the gate's held-out evaluation, in
+    the stage's metrics as `candidate_*`), against the SFT model and against the `full` run's."""
+    grpo, reference = read_json(ws / "metrics" / "grpo" / "dense.json"), read_json(full / "metrics" / "grpo" / "dense.json")
+    sft = read_json(ws / "metrics" / "sft.json")  # the SFT model's gate evaluation: the same n and split
     plans = read_json(ws / "reports" / "memory.json")["stages"]["grpo@dense"]
-    test = {m: stats.compare(outcomes["sft"], outcomes["grpo"], m, resamples=resamples, seed=seed)
-            for m in ("greedy_accuracy", f"pass_at_k.{K}")}
-    versus = {m: stats.compare(reference["grpo"], outcomes["grpo"], m, resamples=resamples, seed=seed)
-              for m in ("greedy_accuracy", f"pass_at_k.{K}")}
-    final, sft, base = evaluate["grpo"], evaluate["sft"], read_json(full / "metrics" / "evaluate.json")["grpo"]
-    return {"variant": name, "seed": seed, "sft_greedy": sft["greedy_accuracy"],
-            "final_greedy": final["greedy_accuracy"], "final_greedy_ci95": final["greedy_accuracy_ci95"],
-            "final_pass8": final["pass_at_k"][str(K)], "final_pass8_ci95": final["pass_at_k_ci95"][str(K)],
-            "gain": final["greedy_accuracy"] - sft["greedy_accuracy"], "gain_p": test["greedy_accuracy"].p_value,
-            "vs_full_greedy": final["greedy_accuracy"] - base["greedy_accuracy"],
-            "vs_full_greedy_p": versus["greedy_accuracy"].p_value,
-            "vs_full_pass8": final["pass_at_k"][str(K)] - base["pass_at_k"][str(K)],
-            "vs_full_pass8_p": versus[f"pass_at_k.{K}"].p_value,
-            "accepted": bool(grpo.get("accepted")), "train_seconds": grpo.get("train_seconds", 0.0),
+    accepted = bool(grpo.get("accepted"))
+    versus = {}
+    if accepted and reference.get("accepted"):  # both trained models' per-prompt outcomes were kept
+        outcomes = read_json(ws / "reports" / "heldout_outcomes.json")["grpo"]
+        kept = read_json(full / "reports" / "heldout_outcomes.json")["grpo"]
+        versus = {m: stats.compare(kept, outcomes, m, resamples=resamples, seed=seed)
+                  for m in ("greedy_accuracy", f"pass_at_k.{K}")}
+    pass_k = f"candidate_pass_at_{K}"
+    greedy_vs, pass_vs = versus.get("greedy_accuracy"), versus.get(f"pass_at_k.{K}")  # evaluate's n (64) when paired
+    return {"variant": name, "seed": seed, "sft_greedy": sft["greedy_accuracy"], "sft_pass8": sft[f"pass_at_{K}"],
+            "trained_greedy": grpo["candidate_greedy_accuracy"], "trained_greedy_ci95": grpo["candidate_greedy_accuracy_ci95"],
+            "trained_pass8": grpo[pass_k], "trained_pass8_ci95": grpo[f"{pass_k}_ci95"],
+            "gain": grpo["candidate_greedy_accuracy"] - sft["greedy_accuracy"], "gain_p": grpo.get("gate_p_greedy_accuracy"),
+            "gain_pass8": grpo[pass_k] - sft[f"pass_at_{K}"], "gain_pass8_p": grpo.get(f"gate_p_pass_at_{K}"),
+            "vs_full_greedy": greedy_vs.difference if greedy_vs else grpo["candidate_greedy_accuracy"]
+            - reference["candidate_greedy_accuracy"], "vs_full_greedy_p": greedy_vs.p_value if greedy_vs else None,
+            "vs_full_pass8": pass_vs.difference if pass_vs else grpo[pass_k] - reference[pass_k],
+            "vs_full_pass8_p": pass_vs.p_value if pass_vs else None,
+            "accepted": accepted, "train_seconds": grpo.get("train_seconds", 0.0),
+            "reward_first": grpo.get("reward_first"), "reward_last": grpo.get("reward_last"),
             "trainable_params": plans["trainable_params"], "optimizer_bytes": plans["optimizer_bytes"],
-            "planned_bytes": plans["total_bytes"], "n_prompts": final["n_prompts"]}
+            "planned_bytes": plans["total_bytes"],
+            "n_prompts": read_json(ws / "metrics" / "evaluate.json")["sft"]["n_prompts"]}
+
+
+def change(value: float, p: float | None) -> str:
+    """A difference with its paired p, or with "not paired" where no per-prompt outcomes exist."""
+    return f"{value:+.3f} ({stats.format_p(p) if p is not None else 'not paired'})"
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"| variant | seed | trained params | planned optimizer / peak MiB | final greedy [95% CI] | gain over SFT "
-             f"(p) | vs full (paired p) | pass@{K} [95% CI] | vs full (paired p) | gate | train s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| variant | seed | trained params | planned optimizer / peak MiB | trained greedy [95% CI] | vs SFT (p) "
+             f"| vs full (p) | pass@{K} [95% CI] | vs SFT (p) | vs full (p) | reward first -> last | gate | train s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['variant']} | {r['seed']} | {r['trainable_params']:,} "
                      f"| {r['optimizer_bytes'] / MIB:.1f} / {r['planned_bytes'] / MIB:.0f} "
-                     f"| {interval(r['final_greedy'], r['final_greedy_ci95'])} "
-                     f"| {r['gain']:+.3f} ({stats.format_p(r['gain_p'])}) "
-                     f"| {r['vs_full_greedy']:+.3f} ({stats.format_p(r['vs_full_greedy_p'])}) "
-                     f"| {interval(r['final_pass8'], r['final_pass8_ci95'])} "
-                     f"| {r['vs_full_pass8']:+.3f} ({stats.format_p(r['vs_full_pass8_p'])}) "
+                     f"| {interval(r['trained_greedy'], r['trained_greedy_ci95'])} | {change(r['gain'], r['gain_p'])} "
+                     f"| {change(r['vs_full_greedy'], r['vs_full_greedy_p']) if r['variant'] != 'full' else '-'} "
+                     f"| {interval(r['trained_pass8'], r['trained_pass8_ci95'])} "
+                     f"| {change(r['gain_pass8'], r['gain_pass8_p'])} "
+                     f"| {change(r['vs_full_pass8'], r['vs_full_pass8_p']) if r['variant'] != 'full' else '-'} "
+                     f"| {r['reward_first']:.2f} -> {r['reward_last']:.2f} "
                      f"| {'accepted' if r['accepted'] else 'rejected'} | {r['train_seconds']:.0f} |")
     return "\n".join(lines)
 
