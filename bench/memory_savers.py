@@ -7,13 +7,14 @@ held-out split.
 - `top_half`: `grpo.dense.trainable: {top_layers: 2}` (the top 2 of the tiny model's 4 layers
   and the final norm train; the embedding, which is also the head, and the lower layers are frozen).
 
-Per variant and seed: the trained model's held-out greedy accuracy and pass@8 with 95% intervals
-(the gate's evaluation of what the stage trained, `gate.n_samples` per prompt, recorded even when
-the gate rejects it and passes the SFT model on), its change from the SFT model (the gate's paired McNemar / bootstrap p) and from
-the `full` run on the same prompts (paired, on the evaluate stage's samples, where both models
-were kept; a rejected model's per-prompt outcomes are not, so its row gives the gate figures'
-difference, not paired), the gate's verdict, the stage's training seconds and its planned peak memory
-(the optimizer states and the total, as the stage logged its plan).
+Per variant and seed: the trained model's held-out greedy accuracy and pass@8 with 95%
+intervals (the gate's evaluation of what the stage trained, `gate.n_samples` per prompt, kept even
+when the gate rejects it and passes the SFT model on), its change from the SFT model (the gate's
+paired McNemar / bootstrap p) and from the `full` run on the same prompts (paired, on the evaluate
+stage's samples, where both models were kept; a rejected model's per-prompt outcomes are not, so
+its row gives the gate figures' difference, not paired), the training reward's first and last
+logged values, the gate's verdict, the stage's training seconds and its planned peak memory (the
+optimizer states and the total, as the stage logged its plan).
 
     .venv/bin/python bench/memory_savers.py                        # seed 0, ~25 min on 2 cores
     .venv/bin/python bench/memory_savers.py --seeds 0 1 --root /tmp/savers
@@ -81,35 +82,38 @@ def run_variant(root: Path, name: str, seed: int, uri: str, full: Path) -> Path:
     return ws
 
 
+def figures(metrics: dict, prefix: str = "") -> dict:
+    """Greedy accuracy and pass@K with their intervals, as a stage's metrics hold a gate
+    evaluation (posttrain.training.trainer.gate_figures: the SFT model's unprefixed, a GRPO
+    stage's trained model's as `candidate_*`)."""
+    return {"greedy": metrics[f"{prefix}greedy_accuracy"], "greedy_ci95": metrics[f"{prefix}greedy_accuracy_ci95"],
+            "pass8": metrics[f"{prefix}pass_at_{K}"], "pass8_ci95": metrics[f"{prefix}pass_at_{K}_ci95"]}
+
+
 def summarise(ws: Path, name: str, seed: int, full: Path, resamples: int) -> dict:
-    """`name`'s row for `seed`: what its GRPO stage trained (the gate's held-out evaluation, in
-    the stage's metrics as `candidate_*`), against the SFT model and against the `full` run's."""
+    """`name`'s row for `seed`: what its GRPO stage trained (the gate's held-out evaluation),
+    against the SFT model (the gate's paired p) and against the `full` run's: paired on the
+    evaluate stage's outcomes where both models were kept, else the gate figures' difference."""
     grpo, reference = read_json(ws / "metrics" / "grpo" / "dense.json"), read_json(full / "metrics" / "grpo" / "dense.json")
-    sft = read_json(ws / "metrics" / "sft.json")  # the SFT model's gate evaluation: the same n and split
+    sft, trained, base = figures(read_json(ws / "metrics" / "sft.json")), figures(grpo, "candidate_"), figures(reference, "candidate_")
     plans = read_json(ws / "reports" / "memory.json")["stages"]["grpo@dense"]
-    accepted = bool(grpo.get("accepted"))
     versus = {}
-    if accepted and reference.get("accepted"):  # both trained models' per-prompt outcomes were kept
-        outcomes = read_json(ws / "reports" / "heldout_outcomes.json")["grpo"]
-        kept = read_json(full / "reports" / "heldout_outcomes.json")["grpo"]
-        versus = {m: stats.compare(kept, outcomes, m, resamples=resamples, seed=seed)
-                  for m in ("greedy_accuracy", f"pass_at_k.{K}")}
-    pass_k = f"candidate_pass_at_{K}"
-    greedy_vs, pass_vs = versus.get("greedy_accuracy"), versus.get(f"pass_at_k.{K}")  # evaluate's n (64) when paired
-    return {"variant": name, "seed": seed, "sft_greedy": sft["greedy_accuracy"], "sft_pass8": sft[f"pass_at_{K}"],
-            "trained_greedy": grpo["candidate_greedy_accuracy"], "trained_greedy_ci95": grpo["candidate_greedy_accuracy_ci95"],
-            "trained_pass8": grpo[pass_k], "trained_pass8_ci95": grpo[f"{pass_k}_ci95"],
-            "gain": grpo["candidate_greedy_accuracy"] - sft["greedy_accuracy"], "gain_p": grpo.get("gate_p_greedy_accuracy"),
-            "gain_pass8": grpo[pass_k] - sft[f"pass_at_{K}"], "gain_pass8_p": grpo.get(f"gate_p_pass_at_{K}"),
-            "vs_full_greedy": greedy_vs.difference if greedy_vs else grpo["candidate_greedy_accuracy"]
-            - reference["candidate_greedy_accuracy"], "vs_full_greedy_p": greedy_vs.p_value if greedy_vs else None,
-            "vs_full_pass8": pass_vs.difference if pass_vs else grpo[pass_k] - reference[pass_k],
-            "vs_full_pass8_p": pass_vs.p_value if pass_vs else None,
-            "accepted": accepted, "train_seconds": grpo.get("train_seconds", 0.0),
-            "reward_first": grpo.get("reward_first"), "reward_last": grpo.get("reward_last"),
-            "trainable_params": plans["trainable_params"], "optimizer_bytes": plans["optimizer_bytes"],
-            "planned_bytes": plans["total_bytes"],
-            "n_prompts": read_json(ws / "metrics" / "evaluate.json")["sft"]["n_prompts"]}
+    if grpo.get("accepted") and reference.get("accepted"):  # both models' per-prompt outcomes were kept
+        outcomes, kept = (read_json(w / "reports" / "heldout_outcomes.json")["grpo"] for w in (ws, full))
+        versus = {f: stats.compare(kept, outcomes, metric, resamples=resamples, seed=seed)
+                  for f, metric in (("greedy", "greedy_accuracy"), ("pass8", f"pass_at_k.{K}"))}
+    row = {"variant": name, "seed": seed, "sft_greedy": sft["greedy"], "sft_pass8": sft["pass8"],
+           **{f"trained_{key}": value for key, value in trained.items()},
+           "gain": trained["greedy"] - sft["greedy"], "gain_p": grpo.get("gate_p_greedy_accuracy"),
+           "gain_pass8": trained["pass8"] - sft["pass8"], "gain_pass8_p": grpo.get(f"gate_p_pass_at_{K}"),
+           "accepted": bool(grpo.get("accepted")), "train_seconds": grpo.get("train_seconds", 0.0),
+           "reward_first": grpo.get("reward_first"), "reward_last": grpo.get("reward_last"),
+           "trainable_params": plans["trainable_params"], "optimizer_bytes": plans["optimizer_bytes"],
+           "planned_bytes": plans["total_bytes"], "n_prompts": read_json(ws / "metrics" / "evaluate.json")["sft"]["n_prompts"]}
+    for f, key in (("greedy", "vs_full_greedy"), ("pass8", "vs_full_pass8")):
+        test = versus.get(f)
+        row[key], row[f"{key}_p"] = (test.difference, test.p_value) if test else (trained[f] - base[f], None)
+    return row
 
 
 def change(value: float, p: float | None) -> str:
