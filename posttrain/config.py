@@ -151,6 +151,10 @@ class TrainableSection(Section):
 
 
 class SFTSection(Section):
+    """The SFT warmup. `sft: off` runs none: the first GRPO stage then starts `from: base`,
+    and the task needs prompts and answers only, no SFT targets."""
+    enabled: bool = Field(True, description="Run the warmup; `sft: off` (shorthand) skips it: the first GRPO "
+                                            "stage then starts from the base model (`from: base`).")
     trl: dict[str, Any] = Field(default_factory=dict, description="Passed to trl.SFTConfig unchanged.")
     peft: dict[str, Any] | None = Field(None, description="LoRA: options of peft.LoraConfig (r, lora_alpha, "
                                        "target_modules, ...); the stage outputs the merged model and the adapter.")
@@ -160,6 +164,11 @@ class SFTSection(Section):
                                                          "whole `trl:` schedule.")
     launcher: LauncherSection | None = Field(None, description="How this stage trains; null: the pipeline's "
                                                                "`launcher`.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _off_shorthand(cls, value):
+        return {"enabled": value} if isinstance(value, bool) else value
 
 
 class PassRateFilter(Section):
@@ -201,8 +210,8 @@ class AuditSection(Section):
 
 class GRPOStage(Section):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-    from_: str = Field(..., alias="from", description="The stage this one starts from: `sft` for the first, "
-                                                      "else the previous stage's name.")
+    from_: str = Field(..., alias="from", description="The stage this one starts from: `sft` for the first "
+                                                      "(`base` with `sft: off`), else the previous stage's name.")
     rewards: dict[str, float] = Field({"correctness": 1.0}, min_length=1,
                                       description="Reward channel -> weight: a built-in (posttrain.scoring.rewards.REWARDS) "
                                                   "or an import path package.module:function.")
@@ -431,7 +440,7 @@ class PipelineConfig(Section):
     @field_validator("grpo")
     @classmethod
     def _a_chain_from_sft(cls, stages):
-        previous = "sft"
+        previous = "sft" if not stages or next(iter(stages.values())).from_ != "base" else "base"
         for name, stage in stages.items():
             if not STAGE_NAME.match(name) or name in RESERVED_NAMES:
                 raise ValueError(f"stage name {show(name)} must match {STAGE_NAME.pattern} and not be one of "
@@ -504,6 +513,7 @@ def load_config(path: str | Path) -> PipelineConfig:
 def _check_cross_fields(path: Path, config: PipelineConfig) -> None:
     """What one field cannot say alone: bounds between fields, the tiny model's heads and
     the name of the metric promotion compares."""
+    _check_warmup(path, config)
     bad_k = [k for k in config.evaluate.k if not 1 <= k <= config.evaluate.n_samples]
     if bad_k:
         raise UserError(f"{path}: evaluate.k", f"k={bad_k[0]} is outside 1..n_samples ({config.evaluate.n_samples})",
@@ -528,6 +538,17 @@ def _check_cross_fields(path: Path, config: PipelineConfig) -> None:
     if not known_metric(config, config.promotion.metric):
         raise UserError(f"{path}: promotion.metric", f"{show(config.promotion.metric)} is not a metric the pipeline "
                         "records", f"use e.g. evaluate.grpo.greedy_accuracy or evaluate.grpo.pass_at_k.{config.evaluate.k[-1]}")
+
+
+def _check_warmup(path: Path, config: PipelineConfig) -> None:
+    """The first GRPO stage starts from `sft` when the warmup runs and from `base` when it is off."""
+    first, stage = next(iter(config.grpo.items()))
+    if config.sft.enabled and stage.from_ == "base":
+        raise UserError(f"{path}: grpo.{first}.from", "starts from the base model, but the SFT warmup is on "
+                        "(its model would go unused)", "set `sft: off` to run GRPO from the base model, or `from: sft`")
+    if not config.sft.enabled and stage.from_ != "base":
+        raise UserError(f"{path}: grpo.{first}.from", "starts from sft, but `sft: off` runs no warmup",
+                        "set `from: base`, or turn the warmup on (remove `sft: off`)")
 
 
 def known_metric(config: PipelineConfig, metric: str) -> bool:

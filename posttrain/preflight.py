@@ -99,6 +99,7 @@ def environment(path: Path, config: PipelineConfig) -> tuple[Any, dict[str, list
     """The environment and its splits, checked: its options, its rows, the SFT stop's
     validation share of them, the reward channels and guardrails the GRPO stages name."""
     env, rows = _built_env(path, config)
+    _check_sft_targets(path, config, env)
     _check_stop_when(path, config, len(rows["train"]))
     _check_grpo_names(path, config)
     return env, rows
@@ -173,8 +174,18 @@ def splits_problem(splits) -> str | None:
     return None
 
 
+def _check_sft_targets(path: Path, config: PipelineConfig, env) -> None:
+    """An SFT warmup needs targets: a training file without its completion column has none."""
+    if config.sft.enabled and getattr(env, "sft_targets", True) is False:
+        options = config.data.options or {}
+        raise UserError(f"{path}: data.options.completion_field", f"{options.get('train')} has no column "
+                        f"{options.get('completion_field', 'completion')!r}: the SFT warmup has no targets",
+                        "add the column (or name it in completion_field), or run GRPO from the base model: "
+                        "`sft: off` and the first GRPO stage `from: base`")
+
+
 def _check_stop_when(path: Path, config: PipelineConfig, train_rows: int) -> None:
-    stop = config.sft.stop_when
+    stop = config.sft.stop_when if config.sft.enabled else None
     if stop is not None and stop.validation_size > train_rows // 2:
         raise UserError(f"{path}: sft.stop_when.validation_size", f"{stop.validation_size} of the "
                         f"{train_rows} training rows leaves too few to train on", f"use at most {train_rows // 2}")
@@ -242,7 +253,7 @@ def _check_tools(path: Path, config: PipelineConfig, env, rows: dict[str, list[d
     if not config.data.chat:
         raise UserError(f"{path}: data.chat", f"{show(config.data.env)} is a tool environment: its episodes are "
                         "conversations", "set data.chat: true (and model.path to a chat model)")
-    if config.sft.stop_when is not None:
+    if config.sft.enabled and config.sft.stop_when is not None:
         raise UserError(f"{path}: sft.stop_when", "stop_when measures single replies, not a tool environment's "
                         "episodes", "remove sft.stop_when and set the warmup's length in sft.trl (max_steps)")
     problems = tool_problems(env.episode)

@@ -73,8 +73,8 @@ def kind_of(text: str) -> str | None:
 
 
 def training_stages(config) -> list[StageId]:
-    """The training stages, in order: `sft`, then each GRPO stage."""
-    return [StageId("sft"), *map(StageId.grpo, config.grpo)]
+    """The training stages, in order: `sft` (unless `sft: off`), then each GRPO stage."""
+    return [StageId("sft")] * config.sft.enabled + [*map(StageId.grpo, config.grpo)]
 
 
 def final(config) -> StageId:

@@ -207,7 +207,7 @@ def record_stage(stage: dict, workdir: str, run_id: str, tracking_uri: str, *,
             client.log_metric(run_id, name, value)
         client.set_terminated(run_id, "FINISHED")
         return metrics, True
-    if is_training(stage) and outputs:
+    if is_training(stage) and outputs and not metrics.get("off"):  # `sft: off` outputs no model
         log_checkpoint(client, stage, run_id, outputs, metrics)
     return metrics, False
 
@@ -219,10 +219,10 @@ def is_training(stage: dict) -> bool:
 def own_model_prefix(name: str, metrics: dict) -> str | None:
     """The prefix of a training stage's figures of the model it outputs as its own: "" for
     SFT, "candidate_" for a GRPO stage whose gate accepted it; None for a rejected one (it
-    outputs the model before it, scored by its own stage)."""
+    outputs the model before it, scored by its own stage) and for `sft: off` (no model)."""
     kind = kind_of(name)
     if kind == "sft":
-        return ""
+        return None if metrics.get("off") else ""
     return "candidate_" if kind == "grpo" and metrics.get("accepted") == 1.0 else None
 
 

@@ -91,6 +91,25 @@ def make_workspace(dest: Path, overrides: dict) -> Path:
     return workspace.create(dest, read_config_dict(overrides_file))
 
 
+def kill_stage_at(ws: Path, stage: str, checkpoint: str) -> None:
+    """`dvc repro STAGE` in `ws`, killed with -9 (DVC and the stage process together) once
+    `checkpoint` (a glob under ws, e.g. checkpoints/grpo/dense/*/checkpoint-20) holds its
+    trainer state. Bounded by the stage, not a clock: the checkpoint must stay until the
+    stage ends (`save_total_limit: null`), and a stage that ends first fails the wait."""
+    import signal
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROP}
+    env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
+    proc = subprocess.Popen(["dvc", "repro", stage], cwd=ws, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not list(ws.glob(f"{checkpoint}/trainer_state.json")):
+        assert proc.poll() is None, f"the stage ended before {checkpoint} was seen"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def copy_workspace(src: Path, dest: Path) -> Path:
     """A copy of a workspace (git, DVC cache, MLflow store) that a test may change without
     changing what other tests of a shared fixture see, whatever order they run in."""

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import time
 
 import pytest
 
-from conftest import BIN, CHILD_ENV_DROP, SMALL, copy_workspace, make_workspace, sh
+from conftest import SMALL, copy_workspace, kill_stage_at, make_workspace, sh
 
 pytestmark = pytest.mark.slow
 
@@ -137,18 +133,10 @@ def test_killed_stage_resumes_from_its_checkpoint(tmp_path):
     killed = make_workspace(tmp_path / "killed", overrides)
     run_repro(killed, "sft")
     whole = copy_workspace(killed, tmp_path / "whole")   # the same SFT model: one warmup, not two
-    env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROP}
-    env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
-    proc = subprocess.Popen(["dvc", "repro", "grpo@dense"], cwd=killed, env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    # bounded by the stage itself, not a clock: with every checkpoint kept, checkpoint-20 stays from
-    # step 20 until the stage clears its checkpoints at the very end (a fast CPU ran the ten steps
-    # from checkpoint-20 to checkpoint-30, which used to delete it, between two polls)
-    while not list((killed / "checkpoints/grpo/dense").glob("*/checkpoint-20/trainer_state.json")):
-        assert proc.poll() is None, "the stage ended before its checkpoint-20 was seen"
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)           # kill -9 the whole stage, DVC included
-    proc.wait()
+    # with every checkpoint kept, checkpoint-20 stays from step 20 until the stage clears its
+    # checkpoints at the very end (a fast CPU ran the ten steps from checkpoint-20 to checkpoint-30,
+    # which used to delete it, between two polls)
+    kill_stage_at(killed, "grpo@dense", "checkpoints/grpo/dense/*/checkpoint-20")
     assert not (killed / "metrics" / "grpo" / "dense.json").exists()
     done = run_repro(killed, "grpo@dense")
     assert "posttrain: resuming from" in done.stdout

@@ -96,7 +96,8 @@ OVERREACH = {
                                "so it lists `grpo`; the change reruns grpo@<g>, whose model it reads"),
 }
 # Fields no other valid value exists for (each alone).
-UNCHANGEABLE = {"grpo.<g>.from": "stages form a chain: each starts from the one before"}
+UNCHANGEABLE = {"grpo.<g>.from": "stages form a chain: each starts from the one before",
+                "sft.enabled": "off only together with the first stage's `from: base` (tests/test_no_sft.py runs it)"}
 
 TORCHRUN = {"type": "torchrun", "processes": 1, "nodes": 1}
 LAUNCHER = {"type": "in_process", "processes": 2, "nodes": 2, "accelerate_config": "infra/accelerate/ddp.yaml",

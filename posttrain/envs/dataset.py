@@ -105,7 +105,7 @@ class DatasetOptions(EnvOptions):
     prompt_field: str = Field("prompt", min_length=1, description="Column holding the prompt.")
     answer_field: str = Field("answer", min_length=1, description="Column holding the reference answer.")
     completion_field: str = Field("completion", min_length=1, description="Column holding the SFT target; "
-                                  "a file without it trains on the answer itself.")
+                                  "a training file without it runs with `sft: off` only (GRPO from the base model).")
     system: str | None = Field(None, max_length=20_000, description="System prompt (conversational prompts).")
     answer_pattern: str | None = Field(None, max_length=500, description="Regex with one group that cuts the "
                                        "answer out of a completion, e.g. <answer>(.*?)</answer>.")
@@ -175,6 +175,8 @@ class DatasetEnv:
         if not len(table):
             raise OptionError(split, f"{path} has no rows", "give a file with at least one row")
         completion = self.options.completion_field if self.options.completion_field in columns else None
+        if split == "train":
+            self.sft_targets = completion is not None  # without, SFT would train on the bare answer: check refuses it
         mapped = {self.options.prompt_field, self.options.answer_field, completion}
         rows = []
         for i, row in enumerate(table):

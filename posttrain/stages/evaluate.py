@@ -1,4 +1,4 @@
-"""Stage `evaluate`: base, SFT and every GRPO stage's model on the held-out split.
+"""Stage `evaluate`: base, SFT (unless `sft: off`) and every GRPO stage's model on the held-out split.
 
 `metrics/evaluate.json` holds, per model, `greedy_accuracy` and `pass_at_k` (k -> value),
 `n_prompts`, and the 95% intervals `greedy_accuracy_ci95` (Wilson) and `pass_at_k_ci95`
@@ -87,11 +87,12 @@ def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_
 
 def gate_evaluations(models: dict[str, str]) -> dict[str, dict | None]:
     """Each model's held-out evaluation by the training stages' gates, from the model cards:
-    the base and SFT models' in the SFT card, each GRPO stage's output's in its own (a
-    rejected stage's card carries the evaluation of the model it passed on)."""
-    sft = read_card(models["sft"])
-    return {"base": sft.get("base"), "sft": sft.get("eval"),
-            **{name: read_card(path).get("eval") for name, path in models.items() if name.startswith("grpo.")}}
+    the base and SFT models' in the SFT card (the base model's in the first GRPO stage's
+    with `sft: off`), each GRPO stage's output's in its own (a rejected stage's card carries
+    the evaluation of the model it passed on)."""
+    cards = {name: read_card(path) for name, path in models.items() if name != "base"}
+    first = next(iter(cards.values()), {})
+    return {"base": first.get("base"), **{name: card.get("eval") for name, card in cards.items()}}
 
 
 def reward_channels(config) -> list[str]:

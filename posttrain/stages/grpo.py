@@ -23,7 +23,7 @@ from posttrain.envs import config_env
 from posttrain.envs.tools import guard, is_tool_env, tool_limits
 from posttrain.scoring.evaluation import add_timeout_counts, pass_rates, report_timeouts
 from posttrain.files import read_jsonl, write_json
-from posttrain.layout import PARAMS_FILE, read_card, write_card
+from posttrain.layout import PARAMS_FILE, read_card, resolve_model_dir, write_card
 from posttrain.tracking.lineage import log_datasets
 from posttrain.scoring.gate import decide, reward_trend
 from posttrain.scoring.rewards import build_rewards
@@ -46,9 +46,11 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
         log_datasets({f"{data_dir}/train.jsonl": "training", f"{data_dir}/heldout.jsonl": "evaluation"})
         env = config_env(config.data)
         previous = read_card(init_dir)
-        if not previous:
+        init_dir = resolve_model_dir(init_dir)  # `from: base` with model.path: prepare's pointer to the weights
+        if not previous:  # the base model (`from: base`): its evaluation is also the sentinel's floor
             with compute("gate"):
-                previous = {"eval": gate_evaluation(init_dir, env, config, data_dir)}
+                evaluation = gate_evaluation(init_dir, env, config, data_dir)
+            previous = {"eval": evaluation, "base": evaluation if stage.from_ == "base" else None}
         train_rows = read_jsonl(Path(data_dir) / "train.jsonl")
         with compute("audit"):
             audited = audit_rewards(config_path, config, name, env, train_rows)
@@ -91,7 +93,8 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
             card = {**previous, "rejected": name, "stopped_at": stop, "gate": verdict}
         write_card(out_dir, card)
         checkpoints.clear(checkpoint_dir)
-        metrics.update(gate_metrics(candidate, decision, config.gate.k))
+        metrics.update(gate_metrics(candidate, decision, config.gate.k),
+                       start_greedy_accuracy=previous["eval"]["greedy_accuracy"])
         add_timeout_counts(metrics, env)  # the filter's and the gate's, beside training's
         record(name, metrics, decision, curve, metrics_path, curve_path)
     return metrics

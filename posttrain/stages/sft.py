@@ -6,7 +6,8 @@ With `sft.stop_when`, training stops once greedy accuracy on a validation split 
 from the training rows reaches the target (`posttrain.training.stopping`); the validation curve
 goes to MLflow (`validation_greedy_accuracy` by step) and to `curve_path`, the step it
 stopped at to the metrics. The warmed-up model is evaluated on the held-out split: the
-first GRPO gate's baseline.
+first GRPO gate's baseline. With `sft: off` the stage trains nothing: its output holds
+only a card saying so, and the first GRPO stage starts from the base model.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from posttrain.training.trainer import gate_evaluation, gate_figures, log_to_mlf
 
 def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: str,
          metrics_path: str, curve_path: str, config_path: str = PARAMS_FILE) -> dict[str, float]:
+    if not config.sft.enabled:
+        return off(config, out_dir, metrics_path, curve_path)
     env = config_env(config.data)
     train_path = Path(data_dir) / "train.jsonl"
     rows = read_jsonl(train_path)
@@ -69,6 +72,20 @@ def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: 
         mlflow.log_metrics({f"stage.{k}": v for k, v in flatten(metrics).items()})
         write_json(metrics_path, metrics)
         write_json(curve_path, curve)
+    return metrics
+
+
+def off(config, out_dir: str, metrics_path: str, curve_path: str) -> dict[str, float]:
+    """`sft: off`: no warmup, no model; the output folder holds the card that says so (DVC
+    keeps it as the stage's output, so the graph is the same with or without a warmup)."""
+    with stage_run(config, "sft"):
+        mlflow.set_tag("posttrain.sft", "off: the first GRPO stage starts from the base model")
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        write_card(out_dir, {"stage": "sft", "off": True})
+        metrics = {"off": 1.0}
+        mlflow.log_metrics({f"stage.{k}": v for k, v in metrics.items()})
+        write_json(metrics_path, metrics)
+        write_json(curve_path, [])
     return metrics
 
 

@@ -77,11 +77,13 @@ def stage_line(name: str, metrics: dict, *, seconds: float, cached: bool, before
         batches = f" ({m['datasets_rows']:,.0f} from versioned batches)" if m.get("datasets_rows") else ""
         return (f"prepare: {m['train_rows']:,.0f} train / {m['heldout_rows']:,.0f} held-out rows{batches}, "
                 f"base model of {m.get('base_params', 0):,.0f} parameters, {took}")
+    if name == "sft" and m.get("off"):
+        return f"sft: off (the first GRPO stage starts from the base model), {took}"
     if name == "sft" and "greedy_accuracy" in m:
         return f"sft: greedy {m['greedy_accuracy']:.3f} on held-out{pass_at(m)}, {m.get('steps', 0):,.0f} steps, {took}"
     if kind_of(name) == "grpo" and "candidate_greedy_accuracy" in m:
         verdict = "accepted" if m.get("accepted") == 1.0 else "rejected (the previous model carries on)"
-        greedy = m["candidate_greedy_accuracy"]
+        greedy, before = m["candidate_greedy_accuracy"], before if before is not None else m.get("start_greedy_accuracy")
         change = f"{before:.3f} -> {greedy:.3f}" if before is not None else f"{greedy:.3f}"
         return f"{name}: {verdict}, greedy {change}{pass_at(m, 'candidate_')}, {m.get('steps', 0):,.0f} steps, {took}"
     if name == "serving" and "max_concurrency" in m:

@@ -32,7 +32,7 @@ def check_trl_blocks(path: Path, config: PipelineConfig) -> None:
     from trl import GRPOConfig, SFTConfig
 
     check_optimizers(path, config)
-    blocks = [("sft", SFTConfig, config.sft.trl)]
+    blocks = [("sft", SFTConfig, config.sft.trl)] * config.sft.enabled
     blocks += [(stage.field, world_sized(GRPOConfig, config.stage_launcher(stage)), grpo_trl_options(config.grpo[stage.name]))
                for stage in map(StageId.grpo, config.grpo)]
     for field, cls, options in blocks:
