@@ -300,9 +300,17 @@ def record_finished(workdir: str | Path, run_id: str, experiment: str, uri: str)
     """Note that the workspace's present state (dvc.lock, the params file) is finished run `run_id`'s."""
     from posttrain.files import write_json
 
-    state = {"run_id": run_id, "experiment": experiment, "uri": uri, "config_md5": config_md5(workdir),
-             **dvc_lock_hashes(workdir)}
+    state = {"run_id": run_id, "experiment": experiment, "uri_sha256": uri_digest(uri),
+             "config_md5": config_md5(workdir), **dvc_lock_hashes(workdir)}
     write_json(Path(workdir) / FINISHED_RECORD, state)
+
+
+def uri_digest(uri: str) -> str:
+    """What the record keeps of the tracking URI: its sha256, never the URI (a password in
+    `MLFLOW_TRACKING_URI` would sit on disk and travel with any copy of the workspace)."""
+    import hashlib
+
+    return hashlib.sha256(uri.encode()).hexdigest()
 
 
 def forget_finished(workdir: str | Path) -> None:
@@ -319,7 +327,7 @@ def recorded_finish(workdir: str | Path, uri: str) -> tuple[str, str] | None:
     if not path.is_file():
         return None
     state = json.loads(path.read_text())
-    now = {"uri": uri, "config_md5": config_md5(workdir), **dvc_lock_hashes(workdir)}
+    now = {"uri_sha256": uri_digest(uri), "config_md5": config_md5(workdir), **dvc_lock_hashes(workdir)}
     if any(state.get(key) != value for key, value in now.items()) or "dvc.lock_md5" not in now:
         return None
     from dvc.repo import Repo
