@@ -44,3 +44,15 @@ def constant(completions, **_):
 def last_line(completions, answer, **_):
     """1 if the answer is on any line of the completion."""
     return [float(a in [line.strip() for line in c.splitlines()]) for c, a in zip(completions, answer)]
+
+
+def answer_anywhere(completions, answer, **_):
+    """1 if the answer a reply states (a worked solution's last \\boxed{}) appears anywhere in it."""
+    from posttrain.scoring.audit import short_answer
+
+    return [float(short_answer(a) in c) for c, a in zip(completions, answer)]
+
+
+def over_six(completions, **_):
+    """A guardrail: a completion longer than 6 characters (a cap of a few tokens)."""
+    return [len(c) > 6 for c in completions]

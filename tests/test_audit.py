@@ -97,7 +97,7 @@ def test_the_audit_command_passes_the_default_and_refuses_a_format_reward_in_one
     done = sh("posttrain", "audit", "--config", bad, cwd=tmp_path, check=False)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
     assert "grpo.dense.rewards: the `wrong answer` exploit scores 1.000" in done.stderr and "fix:" in done.stderr
-    assert "refused: 1 exploit family breaches it" in done.stdout
+    assert "refused: 2 exploit families breach it" in done.stdout   # a wrong answer, and one hedged (521 for 52)
 
 
 def hackable(tmp_path, audit=None, **stage):
@@ -200,3 +200,55 @@ def test_a_reward_that_raises_is_refused_by_check_before_any_compute(tmp_path, m
     path = hackable(tmp_path, rewards={"correctness": 1.0, "digits": 0.0, "parseable": 0.0, "custom.boom:reward": 1.0})
     assert_refused(cli("check", "--config", path, cwd=tmp_path), str(path), "the reward audit",
                    "RuntimeError: boom at custom/boom.py:2 in reward")
+
+
+SHIPPED = ["configs/pipeline.yaml", "configs/sql.yaml", "configs/recipes/qwen2.5-0.5b-math.yaml",
+           "configs/recipes/smollm2-arithmetic.yaml", "configs/recipes/smollm2-calculator.yaml",
+           "configs/recipes/smollm2-sql.yaml"]
+
+
+def shipped_env(tmp_path, monkeypatch, path: str):
+    """The shipped config and its environment's rows; the MATH recipe's files (not shipped:
+    the user downloads them) stood in for by worked solutions of its columns."""
+    from conftest import REPO
+    from posttrain.config import load_config
+    from posttrain.envs import config_env
+
+    config = load_config(REPO / path)
+    if config.data.env == "dataset":
+        monkeypatch.chdir(tmp_path)
+        (tmp_path / "custom").mkdir(exist_ok=True)
+        for name, numbers in (("math_train", range(40)), ("math_test", range(40, 50))):
+            rows = [{"problem": f"What is {n} + {n + 3}?", "solution": f"The sum is \\boxed{{{2 * n + 3}}}."}
+                    for n in numbers]
+            (tmp_path / "custom" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = config_env(config.data)
+    return config, env, env.generate(config.seed)["train"]
+
+
+@pytest.mark.parametrize("path", SHIPPED)
+def test_hedges_refuse_an_answer_anywhere_reward_on_every_shipped_config_and_no_own_reward(tmp_path, monkeypatch,
+                                                                                           path):
+    """A reward that pays the answer found anywhere is refused by the `hedged` family alone
+    (the gold answer beside a wrong one, in a few characters), whatever the config's cap and
+    guardrails; each shipped stage's own reward raises no alarm."""
+    config, env, rows = shipped_env(tmp_path, monkeypatch, path)
+    for name, stage in config.grpo.items():
+        own = audit_stage(name, env, stage.rewards, stage.guardrails, rows)
+        assert own.breaches == [], [b.line(name) for b in own.breaches]
+        anywhere = audit_stage(name, env, {"planted_rewards:answer_anywhere": 1.0}, stage.guardrails, rows)
+        hedged = [b for b in anywhere.breaches if b.family == "hedged"]
+        assert hedged, sorted({b.family for b in anywhere.breaches})
+        assert len(hedged[0].example) <= 20 or config.data.env.startswith("sql"), hedged[0].example
+
+
+def test_hedges_alone_catch_what_a_short_cap_leaves(monkeypatch):
+    """Four-digit sums under a 6-character cap: every longer answer-holding exploit is
+    pinned to the minimum, and only the hedge breaches (`12341` for 1234)."""
+    env = get_env("arithmetic", operand_max=999, heldout_size=100)
+    rows = [r for r in env.generate(0)["train"] if len(r["answer"]) == 4]
+    report = audit_stage("s", env, {"planted_rewards:answer_anywhere": 1.0}, ["planted_rewards:over_six"], rows)
+    assert {b.family for b in report.breaches} == {"hedged"}, [b.line("s") for b in report.breaches]
+    monkeypatch.setattr("posttrain.scoring.audit.hedges", lambda *a: [])
+    report = audit_stage("s", env, {"planted_rewards:answer_anywhere": 1.0}, ["planted_rewards:over_six"], rows)
+    assert report.breaches == []                # what the audit passed before the family

@@ -8,7 +8,9 @@ weighted channels with its guardrails applied, exactly as GRPO will score them
 - `wrong`: a wrong answer, or none (empty, whitespace, the prompt echoed, the format with
   the answer taken out, a very long output without the answer, a plain wrong answer,
   several answers with a wrong one last, every candidate at once, the right answer
-  followed by a wrong final one, NaN / inf / 1e999, a value just outside the tolerance;
+  followed by a wrong final one, a hedge (the right answer beside one or two wrong ones,
+  never last, short enough for any completion cap: what a policy writes within a few
+  tokens when the reward pays an answer found anywhere), NaN / inf / 1e999, a value just outside the tolerance;
   an environment adds its own: SQL's `SELECT *`, a tautology, a doubled UNION, a LIMIT
   that drops rows, a write). Each must score **below** the lowest-scoring gold completion;
   one a guardrail flags must score the stage's minimum.
@@ -104,6 +106,18 @@ def short_answer(answer: str) -> str:
     return answer.strip()
 
 
+def hedges(answer: str, wrong: str, wrong2: str) -> list[str]:
+    """The right answer beside wrong ones, in the fewest characters (a cap of a few tokens
+    leaves room for them when it cuts every longer exploit): first, or between two, or
+    glued to a wrong digit (`851` for 85: one token more); never last, where a lenient
+    reader (the last number) would rightly take it."""
+    if len(answer) == 1 and answer.isalpha():  # a choice letter: another letter beside it
+        other = "B" if answer != "B" else "C"
+        return [f"{answer} {other}", f"{answer}/{other}", f"{other} {answer} {'D' if answer != 'D' else 'A'}"]
+    glued = [f"{answer}1", f"1{answer.lstrip('-')}"] if answer.lstrip("-").isdigit() else []  # one wrong digit added
+    return [f"{answer} {wrong}", f"{answer} or {wrong}", f"{wrong} {answer} {wrong2}", *glued]
+
+
 def generic_exploits(row: dict) -> list[Exploit]:
     """The battery every environment gets, from one training row."""
     answer, gold = short_answer(row["answer"]), row["completion"].strip()
@@ -112,6 +126,7 @@ def generic_exploits(row: dict) -> list[Exploit]:
     found = [Exploit("empty", ""), Exploit("whitespace", " \n\t "),
              Exploit("wrong answer", wrong), Exploit("several answers", f"{wrong}\n{answer}\n{wrong2}"),
              Exploit("right then wrong", f"{answer}\nNo, wait: the answer is {wrong}."),
+             *[Exploit("hedged", text) for text in hedges(answer, wrong, wrong2)],
              Exploit("very long", "Let me think about this step by step. " * (LONG_CHARS // 38)),
              Exploit("code fences", f"```\n{gold}\n```", "variant")]
     if answer not in question:
@@ -289,7 +304,7 @@ def audit_stage(stage: str, env, rewards: dict[str, float], guardrails: list[str
         if family not in breached and rewarded and wilson_interval(rewarded, count)[0] > max_false_reward:
             example.rewarded, example.of = rewarded, count
             worst[(family, "rewarded")] = example
-    report.breaches = sorted(worst.values(), key=lambda b: (-b.score, b.family))
+    report.breaches = sorted(worst.values(), key=lambda b: -b.score)  # ties: the battery's order, simplest first
     return report
 
 
