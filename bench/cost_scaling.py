@@ -57,7 +57,8 @@ def grpo_walls(root: Path, ws: Path, name: str, sizes: list[int]) -> list[tuple[
         wall = run([sys.executable, "-m", "posttrain", "stage", "grpo", "--config", config, "--name", name,
                     "--data-dir", "data", "--init-dir", "artifacts/models/sft", "--out-dir", str(out / "model"),
                     "--checkpoint-dir", str(out / "checkpoints"), "--metrics-path", str(out / "metrics.json"),
-                    "--curve-path", str(out / "curve.json"), "--audit-path", str(out / "audit.json")], ws, root / f"grpo-{steps}.log")
+                    "--curve-path", str(out / "curve.json"), "--audit-path", str(out / "audit.json"),
+                "--layers-path", str(out / "layers.json")], ws, root / f"grpo-{steps}.log")
         results.append((steps, wall, read_json(out / "metrics.json")["train_seconds"]))
         print(f"grpo {steps:>5} steps: {wall:7.1f} s wall ({results[-1][2]:.1f} s in train())", flush=True)
     target = ws / "artifacts" / "models" / name

@@ -150,7 +150,8 @@ def posttrain(root: Path, ws: Path, name: str, i: int, counts: tuple[int, int]) 
                 "--config", "configs/pipeline.yaml", "--name", name, "--data-dir", "data",
                 "--init-dir", f"artifacts/models/{model_from}", "--out-dir", str(out / "model"),
                 "--checkpoint-dir", str(out / "checkpoints"), "--metrics-path", str(out / "metrics.json"),
-                "--curve-path", str(out / "curve.json"), "--audit-path", str(out / "audit.json")],
+                "--curve-path", str(out / "curve.json"), "--audit-path", str(out / "audit.json"),
+                "--layers-path", str(out / "layers.json")],
                ws, root / f"posttrain-{i}.log")
     return steady(clock, *counts, wall)
 

@@ -38,7 +38,8 @@ ZERO_STD_WARNING = 0.5
 
 
 def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, checkpoint_dir: str,
-         metrics_path: str, curve_path: str, audit_path: str, config_path: str = PARAMS_FILE) -> dict[str, float]:
+         metrics_path: str, curve_path: str, audit_path: str, layers_path: str,
+         config_path: str = PARAMS_FILE) -> dict[str, float]:
     stage, stage_id = config.grpo[name], StageId.grpo(name)
     memory = fit.checked_plan(config, stage_id.dvc, config_path=config_path)  # a stage that cannot fit stops here
     with stage_run(config, stage_id.dvc):
@@ -56,7 +57,8 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
             audited = audit_rewards(config_path, config, name, env, train_rows)
         if previous.get("stopped_at"):
             record_audit(audited, audit_path)
-            return pass_through(init_dir, out_dir, metrics_path, curve_path, f"stopped at {previous['stopped_at']}")
+            return pass_through(init_dir, out_dir, metrics_path, curve_path, layers_path,
+                                f"stopped at {previous['stopped_at']}")
         with compute("filter"):
             rows, metrics, samples = filter_prompts(config, stage, env, init_dir, train_rows)
         audit_agreement(config, name, env, audited, *samples)  # the starting model's own samples, scored
@@ -69,7 +71,7 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
                       "previous model passes on unchanged")
             print(f"posttrain: WARNING: stage {name}: {reason}", flush=True)
             mlflow.set_tag("posttrain.warning.no_prompts", reason)
-            return pass_through(init_dir, out_dir, metrics_path, curve_path, reason,
+            return pass_through(init_dir, out_dir, metrics_path, curve_path, layers_path, reason,
                                 {**metrics, "prompts_per_step": float(needed)})
         run_dir = checkpoints.run_dir(checkpoint_dir, [config.seed, stage.model_dump(),  # and the launcher, as in sft
                                                        config.stage_launcher(stage_id).model_dump()],
@@ -79,6 +81,8 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
                                    "init_dir": init_dir, "out_dir": out_dir, "run_dir": run_dir})
         curve = trained["curve"]
         metrics.update(trained["metrics"], world_size=float(trained["world_size"]))
+        with compute("diagnostics"):  # before the gate: a rejected candidate is gone after it
+            metrics.update(diagnose(config, stage, name, init_dir, out_dir, rows, curve, layers_path))
         with compute("gate"):
             candidate = gate_evaluation(out_dir, env, config, data_dir)
         decision = decide(previous["eval"], candidate, k=config.gate.k, tolerance=config.gate.tolerance,
@@ -232,6 +236,32 @@ def train_job(config, job: dict) -> dict:
     return {"curve": curve, "metrics": add_timeout_counts(summary, env)}  # the rewards' matches cut at a limit
 
 
+KL_PROMPTS, KL_SAMPLES = 16, 4
+KL_MAX_BYTES = 4 << 30  # a larger checkpoint is not loaded twice more on the stage's host for the KL figure
+
+
+def diagnose(config, stage, name: str, init_dir: str, out_dir: str, rows: list[dict], curve: list[dict],
+             layers_path: str) -> dict[str, float]:
+    """Why the stage learned or did not (posttrain.training.diagnostics): the relative weight
+    change of each layer (`layers_path`, a plot by layer in MLflow), the KL of the trained
+    policy to its start on its own samples of training prompts, and the share of groups
+    that carried a gradient."""
+    from posttrain.training.diagnostics import (change_figures, gradient_share, kl_to_start, plot_layers,
+                                                weight_change_by_layer)
+
+    layers = weight_change_by_layer(init_dir, out_dir)
+    write_json(layers_path, layers)
+    mlflow.log_dict(layers, f"weight_change_{name}.json")
+    plot_layers(layers, name)
+    figures = {**change_figures(layers), "gradient_share": gradient_share(curve)}
+    if sum(p.stat().st_size for p in Path(out_dir).glob("*.safetensors")) <= KL_MAX_BYTES:
+        figures["kl_to_start"] = kl_to_start(init_dir, out_dir, [r["prompt"] for r in rows[:KL_PROMPTS]],
+                                             samples=KL_SAMPLES, seed=config.seed,
+                                             max_new_tokens=stage.trl.get("max_completion_length",
+                                                                          config.evaluate.max_new_tokens))
+    return figures
+
+
 def gate_metrics(candidate: dict, decision, k: int) -> dict:
     """The candidate's figures with their intervals, the verdict, and the p-values of the
     paired tests against the previous model (`gate_p_<figure>`)."""
@@ -270,7 +300,7 @@ def prompts_per_step(config, stage, stage_id) -> int:
     return max(1, batch * option("gradient_accumulation_steps") // option("num_generations"))
 
 
-def pass_through(init_dir, out_dir, metrics_path, curve_path, reason: str,
+def pass_through(init_dir, out_dir, metrics_path, curve_path, layers_path, reason: str,
                  metrics: dict | None = None) -> dict[str, float]:
     """Output the model unchanged, untrained: an earlier stage was rejected with
     `on_reject: stop`, or the filter left too few prompts for one step."""
@@ -279,4 +309,5 @@ def pass_through(init_dir, out_dir, metrics_path, curve_path, reason: str,
     metrics = {**(metrics or {}), "skipped": 1.0, "accepted": 0.0}
     write_json(metrics_path, metrics)
     write_json(curve_path, [])
+    write_json(layers_path, [])  # nothing trained, nothing moved
     return metrics

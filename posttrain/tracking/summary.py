@@ -65,6 +65,18 @@ def pass_at(metrics: dict, prefix: str = "") -> str:
     return f", pass@{max(ks)} {metrics[f'{prefix}pass_at_{max(ks)}']:.3f}" if ks else ""
 
 
+FLAT = 0.02  # a GRPO stage whose greedy accuracy moved less than this (or was rejected) says why
+
+
+def flat_reason(metrics: dict, before: float | None) -> str:
+    """For a GRPO stage that changed little or was rejected: what explains it
+    (posttrain.training.diagnostics.explain), else ''."""
+    from posttrain.training.diagnostics import explain
+
+    moved = before is not None and abs(metrics["candidate_greedy_accuracy"] - before) >= FLAT
+    return "" if moved and metrics.get("accepted") == 1.0 else explain(metrics)
+
+
 def stage_line(name: str, metrics: dict, *, seconds: float, cached: bool, before: float | None = None) -> str:
     """What a stage did, in numbers, on one line (the flow's end-of-stage line), e.g.
     `grpo@dense: accepted, greedy 0.424 -> 0.712, pass@8 0.752, 600 steps, 2 min 57 s`.
@@ -85,7 +97,9 @@ def stage_line(name: str, metrics: dict, *, seconds: float, cached: bool, before
         verdict = "accepted" if m.get("accepted") == 1.0 else "rejected (the previous model carries on)"
         greedy, before = m["candidate_greedy_accuracy"], before if before is not None else m.get("start_greedy_accuracy")
         change = f"{before:.3f} -> {greedy:.3f}" if before is not None else f"{greedy:.3f}"
-        return f"{name}: {verdict}, greedy {change}{pass_at(m, 'candidate_')}, {m.get('steps', 0):,.0f} steps, {took}"
+        why = flat_reason(m, before)
+        return (f"{name}: {verdict}, greedy {change}{pass_at(m, 'candidate_')}, {m.get('steps', 0):,.0f} steps, "
+                f"{took}{'; ' + why if why else ''}")
     if name == "serving" and "max_concurrency" in m:
         vllm = "; vLLM's own report agreed" if "vllm_num_blocks" in m else ""
         if m.get("load_sessions"):  # a tool environment's replayed multi-turn sessions
