@@ -88,6 +88,13 @@ def answer(conn: socket.socket) -> str:
         return replies.readline().strip()
 
 
+def with_argv(full: bytes, argv) -> bytes:
+    """The whole request `full`, asking for `argv` instead."""
+    body = json.loads(full[stagehost.HEADER.size:])
+    body = json.dumps({**body, "argv": argv}).encode()
+    return stagehost.HEADER.pack(len(body)) + body
+
+
 STDIO = [0, 1, 2]
 # what a client may send, and the host's answer ('' = closed without one); each case is
 # followed by a real command the host must still serve
@@ -106,6 +113,16 @@ HOSTILE_REQUESTS = [
     (lambda full: full, [], "declined it did not pass its stdin, stdout and stderr"),
     # a whole request with one descriptor
     (lambda full: full, [1], "declined it did not pass its stdin, stdout and stderr"),
+    # a posttrain command the flow never sends a host: only stage, check and memory run there
+    (lambda full: with_argv(full, ["posttrain", "run", "--config", "x.yaml"]), STDIO,
+     "declined `posttrain run --config` is not a command a host runs (only stage, check, memory)"),
+    (lambda full: with_argv(full, ["posttrain", "model", "fetch"]), STDIO,
+     "declined `posttrain model fetch` is not a command a host runs (only stage, check, memory)"),
+    # no command at all, or not a list
+    (lambda full: with_argv(full, ["posttrain"]), STDIO,
+     "declined `posttrain ` is not a command a host runs (only stage, check, memory)"),
+    (lambda full: with_argv(full, "stage prepare"), STDIO,
+     "declined `posttrain str` is not a command a host runs (only stage, check, memory)"),
 ]
 
 

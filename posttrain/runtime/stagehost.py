@@ -162,7 +162,13 @@ def run_json(argv: list[str], cwd: str | None = None):
 
 
 def refusal(request: dict) -> str | None:
-    """Why the host cannot run this request as the command would run itself, or None."""
+    """Why the host cannot run this request as the command would run itself, or None. It
+    runs the commands posttrain sends it (COMMANDS), never another: a same-user client
+    that asks for `posttrain run` or `model fetch` is declined."""
+    argv = request.get("argv")
+    if not isinstance(argv, list) or len(argv) < 2 or argv[1] not in COMMANDS:
+        shown = " ".join(map(str, argv[1:3]))[:60] if isinstance(argv, list) else type(argv).__name__
+        return f"`posttrain {shown}` is not a command a host runs (only {', '.join(COMMANDS)})"
     if request.get("executable") != sys.executable:
         return f"interpreter {request.get('executable')} is not the host's {sys.executable}"
     if request.get("package") != STARTED_WITH["package"]:
