@@ -30,7 +30,8 @@ def _tokenizer():
 
 
 def write_tiny_gguf(path: Path, *, architecture: str = "llama", matrix_type: str = "Q8_0", hidden: int = 64,
-                    layers: int = 2, heads: int = 2, kv_heads: int = 1, seed: int = 0) -> Path:
+                    layers: int = 2, heads: int = 2, kv_heads: int = 1, seed: int = 0,
+                    chat_template: str = CHATML) -> Path:
     """Write the file; matrices in `matrix_type` (a GGMLQuantizationType name), norms in F32."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter, TokenType
@@ -60,7 +61,7 @@ def write_tiny_gguf(path: Path, *, architecture: str = "llama", matrix_type: str
     writer.add_eos_token_id(ids["<|endoftext|>"])
     writer.add_pad_token_id(ids["<|endoftext|>"])
     writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML)
+    writer.add_chat_template(chat_template)
     rng = np.random.default_rng(seed)
     qtype = GGMLQuantizationType[matrix_type]
 

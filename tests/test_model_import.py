@@ -88,7 +88,7 @@ def _bad(tmp: Path, tiny: Path, case: str) -> Path:
 @pytest.mark.parametrize("case, needles", [
     ("not_gguf", ["weights.gguf", "not a GGUF file"]),             # a JSON file named .gguf
     ("truncated", ["weights.gguf", "truncated"]),                  # a download cut at two thirds
-    ("header_cut", ["weights.gguf", "truncated or damaged"]),      # cut inside the metadata
+    ("header_cut", ["weights.gguf", "a reader can trust"]),        # cut inside the metadata
     ("architecture", ["weights.gguf", "rwkv7"]),                   # an architecture transformers cannot convert
     ("quant_type", ["weights.gguf", "Q8_1"]),                      # a tensor type gguf cannot dequantize
     ("missing", ["weights.gguf", "no such file"]),                 # a path to nothing

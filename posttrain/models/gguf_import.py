@@ -53,6 +53,7 @@ def read_header(src: Path) -> dict:
                             "pass a .gguf model file (llama.cpp, Ollama and LM Studio store models so)")
     from gguf import GGUFReader
 
+    bounded(src)  # every count and offset checked before the gguf package trusts them
     try:
         reader = GGUFReader(str(src))
     except Exception as err:  # the reader's own reason: a header or tensor table cut short, a bad field
@@ -67,6 +68,29 @@ def read_header(src: Path) -> dict:
               "tensor_types": dict(collections.Counter(t.tensor_type.name for t in reader.tensors))}
     _check_convertible(src, header)
     return header
+
+
+def bounded(src: Path) -> None:
+    """The header walked with its counts checked (posttrain.models.gguf_header): a file that
+    claims more than it holds is refused before any reader sizes anything by it."""
+    import math
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from posttrain.models.gguf_header import HeaderError, check_spans, read_header as walk
+
+    def nbytes(kind: int, shape: list[int]) -> int | None:
+        try:
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        except (ValueError, KeyError):
+            return None
+        return math.prod(shape) // block * size
+
+    try:
+        check_spans(walk(src), nbytes)
+    except HeaderError as err:
+        raise UserError(f"{WHERE} {src}", f"is not a GGUF file a reader can trust: {err}",
+                        "download it again (compare its sha256), or convert it again with llama.cpp") from None
 
 
 def _field(reader, key: str):
@@ -94,6 +118,23 @@ def _check_convertible(src: Path, header: dict) -> None:
                         f"use a file quantized with one of {', '.join(sorted(readable - UNQUANTIZED)[:10])}, ...")
 
 
+def check_template(src: Path, tokenizer) -> None:
+    """The file's chat template renders a conversation in transformers' sandboxed Jinja:
+    UserError when it is not valid Jinja or reaches for what the sandbox forbids (Python
+    objects' attributes), before anything is written."""
+    if not getattr(tokenizer, "chat_template", None):
+        return
+    from jinja2 import TemplateError
+
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}],
+                                      tokenize=False)
+    except TemplateError as err:
+        raise UserError(f"{WHERE} {src}", f"its chat template does not render ({type(err).__name__}: "
+                        f"{' '.join(str(err).split())[:120]})",
+                        "fix tokenizer.chat_template in the file, or import one without a template") from None
+
+
 def end_of_turn_token(tokenizer) -> str | None:
     """The special token the chat template closes an assistant turn with (`<|im_end|>` for
     ChatML, `<|eot_id|>` for Llama 3), read by rendering one: None without a template."""
@@ -116,7 +157,7 @@ def import_gguf(src: str | Path, out_dir: str | Path, *, dtype: str = "fp32") ->
     src, out_dir = Path(src), Path(out_dir)
     if dtype not in DTYPES:
         raise UserError(f"{WHERE} --dtype", f"{dtype!r} is not a dtype it writes", f"use one of {sorted(DTYPES)}")
-    if out_dir.exists():
+    if out_dir.exists() or out_dir.is_symlink():  # a dangling link too: the rename would replace it
         raise UserError(f"{WHERE} {out_dir}", "already exists", "pass a new folder, or remove this one first")
     if not out_dir.parent.is_dir():
         raise UserError(f"{WHERE} {out_dir}", f"its parent folder {out_dir.parent} does not exist", "create it first")
@@ -137,6 +178,7 @@ def _convert(src: Path, out: Path, *, dtype: str, header: dict, digest: str) -> 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    check_template(src, tokenizer)  # before the weights: a template every later stage renders
     model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
                                                  dtype=getattr(torch, DTYPES[dtype]))
     # transformers keeps the GGUF marker and refuses to save; the weights are plain tensors by now
