@@ -1,5 +1,15 @@
 """User-facing errors: one line that names the file or field and the fix."""
 
+_LINE_BREAKS = str.maketrans({"\n": "\\n", "\r": "\\r", "\x0b": "\\v", "\x0c": "\\f", "\x1c": "\\x1c",
+                              "\x1d": "\\x1d", "\x1e": "\\x1e", "\x85": "\\x85", "\u2028": "\\u2028",
+                              "\u2029": "\\u2029"})
+
+
+def one_line(text: str) -> str:
+    """`text` with every character Python splits lines at written as its escape: a key or
+    value from the input (a YAML key holding a newline) cannot break the error's one line."""
+    return str(text).translate(_LINE_BREAKS)
+
 
 class UserError(Exception):
     """Bad input (config, data, model path, CLI argument).
@@ -10,7 +20,7 @@ class UserError(Exception):
 
     def __init__(self, where: str, problem: str, fix: str):
         self.where, self.problem, self.fix = where, problem, fix
-        super().__init__(f"{where}: {problem}; fix: {fix}")
+        super().__init__(one_line(f"{where}: {problem}; fix: {fix}"))
 
 
 class GateFailure(Exception):
