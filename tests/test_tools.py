@@ -339,3 +339,89 @@ def test_retrieval_over_a_users_corpus_and_its_bad_input(tmp_path, monkeypatch):
         get_env("retrieval", **files, verifier="exact")
     with pytest.raises(OptionError, match="custom/"):
         get_env("retrieval", **{**files, "corpus": "/etc/passwd.jsonl"}, verifier="exact")
+
+
+class Hostile:
+    """Tools that return what is not a string, print to stdout, and a reset of 10 MB."""
+
+    def reset(self, **row):
+        return "y" * 10_000_000
+
+    def mapping(self) -> str:
+        """Returns a dict."""
+        return {"rows": [1, 2, 3], "ok": True}
+
+    def recursive(self) -> str:
+        """Returns a list that holds itself."""
+        loop = [1]
+        loop.append(loop)
+        return loop
+
+    def enormous(self) -> str:
+        """Returns ten million integers."""
+        return list(range(10_000_000))
+
+    def noisy(self) -> str:
+        """Prints, then returns."""
+        print("posttrain-progress 1/1 sampling")  # what the flow's display would read as progress
+        return "done"
+
+    def unshowable(self) -> str:
+        """Returns an object whose repr raises."""
+        class Bad:
+            def __repr__(self):
+                raise ValueError("no")
+        return Bad()
+
+
+def test_the_guard_shows_any_result_as_bounded_text_and_keeps_stdout_clean(capsys):
+    episode = guard(Hostile, ToolLimits(seconds=5, max_chars=1000))()
+    observation = episode.reset(prompt="p")
+    assert len(observation) < 1100 and observation.endswith("more characters]")   # 10 MB, cut
+    assert episode.mapping() == "{'ok': True, 'rows': [1, 2, 3]}"          # reprlib sorts the keys
+    assert episode.recursive().endswith("[...]]]]]]]]]") and len(episode.recursive()) < 60   # 8 levels, then [...]
+    assert len(episode.enormous()) < 1100                       # reprlib stops at 256 items: no 10^7-item string
+    assert episode.noisy() == "done"
+    assert episode.unshowable().startswith("<Bad instance at ")             # its repr raised: reprlib says what it is
+    captured = capsys.readouterr()
+    assert "posttrain-progress" not in captured.out and "posttrain-progress" in captured.err
+
+
+@pytest.mark.parametrize("lines, needle", [
+    # two documents of one id: a search result naming it would be ambiguous
+    ([b'{"id": "d1", "text": "a"}', b'{"id": "d1", "text": "b"}'], "id 'd1' is also line 1's"),
+    # a 100 MB line: read up to the line cap, refused unparsed
+    ([b'{"id": "d1", "text": "' + b"x" * 100_000_000 + b'"}'], "docs.jsonl line 1"),
+    # bytes that are not UTF-8
+    ([b'{"id": "d1", "text": "\xff\xfe caf\xe9"}'], "docs.jsonl line 1"),
+])
+def test_a_hostile_corpus_is_refused_in_one_line(tmp_path, monkeypatch, lines, needle):
+    from posttrain.envs import get_env
+    from posttrain.errors import OptionError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "custom").mkdir()
+    (tmp_path / "custom" / "docs.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    for split in ("train", "heldout"):
+        (tmp_path / "custom" / f"{split}.jsonl").write_text('{"prompt": "q", "answer": "a"}\n')
+    with pytest.raises(OptionError, match=needle) as err:
+        get_env("retrieval", corpus="custom/docs.jsonl", train="custom/train.jsonl", heldout="custom/heldout.jsonl",
+                verifier="exact")
+    assert "\n" not in str(err.value)
+
+
+def test_a_million_tiny_documents_stop_at_the_cap(tmp_path, monkeypatch):
+    """Read line by line and refused at the first document past MAX_DOCUMENTS: the rest of
+    the file is never read, nothing is indexed."""
+    from posttrain.envs import get_env, retrieval
+    from posttrain.errors import OptionError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "custom").mkdir()
+    with open(tmp_path / "custom" / "docs.jsonl", "w") as out:
+        out.writelines(f'{{"id": "{i}", "text": "t"}}\n' for i in range(1_000_000))
+    for split in ("train", "heldout"):
+        (tmp_path / "custom" / f"{split}.jsonl").write_text('{"prompt": "q", "answer": "a"}\n')
+    with pytest.raises(OptionError, match=f"over {retrieval.MAX_DOCUMENTS:,}|over {retrieval.MAX_DOCUMENTS}"):
+        get_env("retrieval", corpus="custom/docs.jsonl", train="custom/train.jsonl", heldout="custom/heldout.jsonl",
+                verifier="exact")

@@ -157,7 +157,7 @@ class RetrievalEnv(DatasetEnv):
                               f"{CUSTOM_DIR}/ folder", f"put the documents in {CUSTOM_DIR}/, e.g. {CUSTOM_DIR}/docs.jsonl")
         if not resolve(path).is_file():
             raise OptionError("corpus", f"{path} does not exist", f"write the documents to {path}, one JSON object a line")
-        documents = []
+        documents, seen = [], {}
         with open(resolve(path), "rb") as fh:
             for number, record, problem in json_lines(fh):
                 try:
@@ -169,6 +169,10 @@ class RetrievalEnv(DatasetEnv):
                                       f"{self.options.id_field!r} and {self.options.text_field!r}",
                                       "fix the line, or set data.options.id_field / text_field") from None
                 documents.append(self._checked(doc, path, number))
+                if doc["id"] in seen:  # search results name documents by id: two of one id are ambiguous
+                    raise OptionError("corpus", f"{path} line {number}: id {doc['id'][:80]!r} is also line "
+                                      f"{seen[doc['id']]}'s", "give every document its own id")
+                seen[doc["id"]] = number
         if not documents:
             raise OptionError("corpus", f"{path} has no documents", "give at least one")
         return documents

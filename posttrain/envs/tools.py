@@ -24,9 +24,12 @@ is what `posttrain check` refuses before compute.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import reprlib
 import signal
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -104,9 +107,13 @@ def _init(self):
 
 
 def _reset(self, **row):
+    """The episode's reset; what it returns (appended to the question) as text of at most
+    `max_chars`, whatever it was; what it prints goes to stderr, never stdout."""
     self.tool_calls = 0
     self.tool_errors = 0
-    return self.inner.reset(**row)
+    with contextlib.redirect_stdout(sys.stderr):
+        observation = self.inner.reset(**row)
+    return None if observation is None else cap(as_text(observation, self._limits.max_chars), self._limits.max_chars)
 
 
 def _get_reward(self):
@@ -118,15 +125,31 @@ def _guarded_tool(function, name: str):
     def tool(self, *args, **kwargs):
         self.tool_calls += 1
         try:
-            result = call_with_limit(getattr(self.inner, name), args, kwargs, self._limits.seconds)
+            with contextlib.redirect_stdout(sys.stderr):  # a tool's prints are not the process's output
+                result = call_with_limit(getattr(self.inner, name), args, kwargs, self._limits.seconds)
         except BaseException as err:
             if not isinstance(err, Exception):  # SystemExit, KeyboardInterrupt of the tool's own making
                 err = RuntimeError(f"{type(err).__name__} {err}")
             self.tool_errors += 1
             raise RuntimeError(cap(f"{type(err).__name__}: {err}", self._limits.max_chars)) from None
-        return cap(result if isinstance(result, str) else str(result), self._limits.max_chars)
+        return cap(as_text(result, self._limits.max_chars), self._limits.max_chars)
 
     return tool
+
+
+def as_text(value, max_chars: int) -> str:
+    """A tool's result as the model reads it: a string as it is, anything else by a repr that
+    stops at `max_chars` and at cycles (a recursive or 10^7-item structure costs no more)."""
+    if isinstance(value, str):
+        return value
+    shown = reprlib.Repr()  # Python 3.11's takes no keywords
+    shown.maxlevel, shown.maxstring, shown.maxlong, shown.maxother = 8, max_chars, max_chars, max_chars
+    for name in ("maxdict", "maxlist", "maxtuple", "maxset", "maxfrozenset", "maxdeque", "maxarray"):
+        setattr(shown, name, 256)
+    try:
+        return shown.repr(value)  # a __repr__ that raises is shown as `<Type instance at ...>`
+    except Exception as err:  # one that raises where reprlib does not catch it (a container's)
+        return f"(a {type(value).__name__} that cannot be shown: {type(err).__name__})"
 
 
 def cap(text: str, max_chars: int) -> str:
