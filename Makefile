@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: install run test test-fast docs repro bench bench-throughput bench-scaling bench-seeds bench-real bench-tools bench-audit bench-hacking bench-savers bench-memory-table smollm2 clean
+.PHONY: install run test test-fast docs repro bench bench-throughput bench-scaling bench-seeds bench-real bench-tools bench-zero bench-stages bench-audit bench-hacking bench-savers bench-memory-table smollm2 clean
 
 install: $(VENV)/.installed
 
@@ -71,6 +71,14 @@ bench-real: smollm2
 # the same with the calculator tool: configs/recipes/smollm2-calculator.yaml over seeds 0-2 (docs/tools.md)
 bench-tools: smollm2
 	$(BIN)/python bench/real_model.py --config configs/recipes/smollm2-calculator.yaml --root $(or $(ROOT),runs/bench-tools)
+
+# GRPO alone, from the base model (sft: off): configs/recipes/smollm2-arithmetic-zero.yaml over seeds 0-2
+bench-zero: smollm2
+	$(BIN)/python bench/real_model.py --config configs/recipes/smollm2-arithmetic-zero.yaml --root $(or $(ROOT),runs/bench-zero) --records bench/results/grpo_zero.json
+
+# what each stage buys: base / SFT only / GRPO only / SFT then GRPO at one budget of samples seen, seeds 0-2 (hours)
+bench-stages: smollm2
+	$(BIN)/python bench/stage_ablation.py $(if $(ROOT),--root $(ROOT))
 
 # what the reward audit adds to `posttrain check` (and so to `run`): on against `audit: off`, pair by pair
 bench-audit: install

@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -46,34 +47,60 @@ GAIN, P_MAX, TRAIN_MINUTES = 0.15, 0.01, 30.0  # issue 27's goal
 def summarise(ws: Path, seed: int, resamples: int, uri: str) -> dict:
     evaluate, outcomes = read_json(ws / "metrics" / "evaluate.json"), read_json(ws / "reports" / "heldout_outcomes.json")
     sft = read_json(ws / "metrics" / "sft.json")
+    warmed = "sft" in evaluate  # `sft: off`: GRPO from the base model, no SFT model to report
     grpo = {p.stem: read_json(p) for p in sorted((ws / "metrics" / "grpo").glob("*.json"))}
     _, children = last_run(ws, uri)
     stage_seconds = {name: (c.end_time - c.start_time).total_seconds() for name, c in children.items()}
     base, final = evaluate["base"], evaluate["grpo"]
     test = {m: stats.compare(outcomes["base"], outcomes["grpo"], m, resamples=resamples, seed=seed)
             for m in ("greedy_accuracy", f"pass_at_k.{K}")}
-    # what GRPO did: the final model against the SFT model it started from, same prompts
-    rl = stats.compare(outcomes["sft"], outcomes["grpo"], "greedy_accuracy", resamples=resamples, seed=seed)
-    train_seconds = sft["train_seconds"] + sum(m.get("train_seconds", 0.0) for m in grpo.values())
-    return {"seed": seed, "n_prompts": base["n_prompts"],
-            **{f"{name}_{figure}": evaluate[key][src] for name, key in (("base", "base"), ("sft", "sft"), ("final", "grpo"))
+    # what GRPO did: the final model against the model it started from (SFT's, else the base), same prompts
+    start = "sft" if warmed else "base"
+    rl = stats.compare(outcomes[start], outcomes["grpo"], "greedy_accuracy", resamples=resamples, seed=seed)
+    train_seconds = sft.get("train_seconds", 0.0) + sum(m.get("train_seconds", 0.0) for m in grpo.values())
+    models = (("base", "base"), ("sft", "sft"), ("final", "grpo")) if warmed else (("base", "base"), ("final", "grpo"))
+    return {"seed": seed, "n_prompts": base["n_prompts"], "warmup": warmed,
+            **{f"{name}_{figure}": evaluate[key][src] if key in evaluate else None for name, key in models
                for figure, src in (("greedy", "greedy_accuracy"), ("greedy_ci95", "greedy_accuracy_ci95"),
                                    ("format_rate", "format_rate"))},
             **{f"{name}_pass8": evaluate[key]["pass_at_k"][str(K)] for name, key in (("base", "base"), ("final", "grpo"))},
             **{f"{name}_pass8_ci95": evaluate[key]["pass_at_k_ci95"][str(K)] for name, key in (("base", "base"),
                                                                                                ("final", "grpo"))},
             "gain": final["greedy_accuracy"] - base["greedy_accuracy"], "gain_p": test["greedy_accuracy"].p_value,
-            "grpo_gain": final["greedy_accuracy"] - evaluate["sft"]["greedy_accuracy"], "grpo_gain_p": rl.p_value,
+            "grpo_gain": final["greedy_accuracy"] - evaluate[start]["greedy_accuracy"], "grpo_gain_p": rl.p_value,
             # tool environments: calls per greedy episode, base -> SFT -> final
-            "tool_calls": [evaluate[key].get("episodes", {}).get("tool_calls") for key in ("base", "sft", "grpo")],
+            "tool_calls": [evaluate.get(key, {}).get("episodes", {}).get("tool_calls") for key in ("base", "sft", "grpo")],
             "pass8_p": test[f"pass_at_k.{K}"].p_value,
             "gates": {name: "accepted" if m.get("accepted") else "rejected" for name, m in grpo.items()},
+            "grpo_diagnostics": {name: {k: m.get(k) for k in DIAGNOSTICS} for name, m in grpo.items()},
             "train_minutes": train_seconds / 60,
             "training_stage_minutes": sum(v for k, v in stage_seconds.items() if k == "sft" or k.startswith("grpo@")) / 60,
             "grpo_seconds_per_step": sum(m.get("train_seconds", 0.0) for m in grpo.values())
             / max(1.0, sum(m.get("steps", 0.0) for m in grpo.values())),
             "pipeline_minutes": read_json(ws / "metrics" / "wall_seconds.json")["pipeline"] / 60
             if (ws / "metrics" / "wall_seconds.json").is_file() else None}
+
+
+DIAGNOSTICS = ("frac_reward_zero_std_mean", "gradient_share", "kl_to_start", "weight_change_max",
+               "weight_change_max_layer", "weight_change_top3_share")
+
+
+def records(rows: list[dict], machine_name: str, commit: str) -> list[dict]:
+    """The rows as issue 44's records: per seed the final model's greedy accuracy with its
+    interval, its gain over the base model (exact McNemar p, same prompts) and, after a
+    warmup, over the SFT model, the format rate, the training minutes, machine and commit."""
+    out = []
+    for r in rows:
+        record = {"seed": r["seed"], "greedy": r["final_greedy"], "ci": r["final_greedy_ci95"],
+                  "gain_vs_base": r["gain"], "p_vs_base": r["gain_p"], "format_rate": r["final_format_rate"],
+                  "base_greedy": r["base_greedy"], "base_format_rate": r["base_format_rate"],
+                  f"pass_at_{K}": r["final_pass8"], f"pass_at_{K}_ci": r["final_pass8_ci95"],
+                  "train_minutes": r["train_minutes"], "gates": r["gates"], "diagnostics": r["grpo_diagnostics"],
+                  "machine": machine_name, "commit": commit}
+        if r["warmup"]:
+            record.update(sft_greedy=r["sft_greedy"], gain_vs_sft=r["grpo_gain"], p_vs_sft=r["grpo_gain_p"])
+        out.append(record)
+    return out
 
 
 def interval(value: float, ci: list[float]) -> str:
@@ -88,15 +115,16 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r['seed']} | {interval(r['base_greedy'], r['base_greedy_ci95'])} | {r['base_format_rate']:.3f} "
-            f"| {r['sft_greedy']:.3f} | {interval(r['final_greedy'], r['final_greedy_ci95'])} "
+            f"| {'off' if r['sft_greedy'] is None else format(r['sft_greedy'], '.3f')} | {interval(r['final_greedy'], r['final_greedy_ci95'])} "
             f"| {r['gain']:+.3f} ({stats.format_p(r['gain_p'])}) "
             f"| {interval(r['base_pass8'], r['base_pass8_ci95'])} -> {interval(r['final_pass8'], r['final_pass8_ci95'])} "
             f"({stats.format_p(r['pass8_p'])}) | {r['grpo_gain']:+.3f} ({stats.format_p(r['grpo_gain_p'])}) "
             f"| {', '.join(f'{k} {v}' for k, v in r['gates'].items())} "
             f"| {r['train_minutes']:.1f} ({r['training_stage_minutes']:.1f}) | {r['grpo_seconds_per_step']:.2f} |")
     if len(rows) > 1:
-        mean = {k: statistics.mean(r[k] for r in rows) for k in ("base_greedy", "sft_greedy", "final_greedy", "gain",
-                                                                 "base_pass8", "final_pass8", "train_minutes")}
+        mean = {k: statistics.mean(r[k] or 0.0 for r in rows) for k in ("base_greedy", "sft_greedy", "final_greedy",
+                                                                        "gain", "base_pass8", "final_pass8",
+                                                                        "train_minutes")}
         lines.append(f"| mean | {mean['base_greedy']:.3f} | | {mean['sft_greedy']:.3f} | {mean['final_greedy']:.3f} "
                      f"| {mean['gain']:+.3f} | {mean['base_pass8']:.3f} -> {mean['final_pass8']:.3f} "
                      f"| {statistics.mean(r['grpo_gain'] for r in rows):+.3f} | | {mean['train_minutes']:.1f} | |")
@@ -131,6 +159,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--root", default=str(REPO / "runs" / "bench-real"))
     parser.add_argument("--tracking-uri", help="default: sqlite:///<root>/mlflow.db")
+    parser.add_argument("--records", help="also write the seeds as {\"records\": [...]} here (e.g. "
+                        "bench/results/grpo_zero.json)")
     args = parser.parse_args()
     root = Path(args.root).resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -152,6 +182,12 @@ def main() -> None:
     print("\n" + report)
     (root / "real_model.md").write_text(report + "\n")
     (root / "real_model.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2) + "\n")
+    if args.records:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                text=True).stdout.strip()
+        found = records(rows, machine(), commit)
+        Path(args.records).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.records).write_text(json.dumps({"config": str(args.config), "records": found}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
