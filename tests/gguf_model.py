@@ -31,7 +31,7 @@ def _tokenizer():
 
 def write_tiny_gguf(path: Path, *, architecture: str = "llama", matrix_type: str = "Q8_0", hidden: int = 64,
                     layers: int = 2, heads: int = 2, kv_heads: int = 1, seed: int = 0,
-                    chat_template: str = CHATML) -> Path:
+                    chat_template: str = CHATML, tokenizer_model: str = "gpt2") -> Path:
     """Write the file; matrices in `matrix_type` (a GGMLQuantizationType name), norms in F32."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter, TokenType
@@ -52,7 +52,7 @@ def write_tiny_gguf(path: Path, *, architecture: str = "llama", matrix_type: str
     writer.add_rope_freq_base(10000.0)
     writer.add_rope_dimension_count(hidden // heads)
     writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(tokenizer_model)
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types([TokenType.CONTROL if t in SPECIAL else TokenType.NORMAL for t in tokens])

@@ -127,6 +127,14 @@ def test_a_chat_template_that_does_not_render_is_refused(tmp_path, template, nee
     assert state(tmp_path) == before
 
 
+@pytest.mark.parametrize("model", ["bert", "none"])
+def test_a_tokenizer_transformers_cannot_build_is_refused(tmp_path, model):
+    src = write_tiny_gguf(tmp_path / "weights.gguf", tokenizer_model=model)
+    before = state(tmp_path)
+    assert_refused(import_limited(src, tmp_path / "out"), "weights.gguf", "cannot build its tokenizer", repr(model))
+    assert state(tmp_path) == before
+
+
 def test_an_out_dir_that_is_a_file_or_a_link_is_refused_untouched(tmp_path):
     src = write_tiny_gguf(tmp_path / "weights.gguf")
     (tmp_path / "a-file").write_text("keep")

@@ -118,6 +118,17 @@ def _check_convertible(src: Path, header: dict) -> None:
                         f"use a file quantized with one of {', '.join(sorted(readable - UNQUANTIZED)[:10])}, ...")
 
 
+def _loaded(what: str, src: Path, load):
+    """`load()`, transformers' reading of the file's tokenizer or weights: what it refuses (a
+    tokenizer model it cannot build, a tensor it lacks) is one line, not its traceback."""
+    try:
+        return load()
+    except (ValueError, KeyError, TypeError, OSError, RuntimeError, IndexError) as err:
+        raise UserError(f"{WHERE} {src}", f"transformers cannot build its {what} ({type(err).__name__}: "
+                        f"{' '.join(str(err).split())[:160]})",
+                        "use a GGUF file of a tokenizer and architecture transformers converts") from None
+
+
 def check_template(src: Path, tokenizer) -> None:
     """The file's chat template renders a conversation in transformers' sandboxed Jinja:
     UserError when it is not valid Jinja or reaches for what the sandbox forbids (Python
@@ -177,10 +188,10 @@ def _convert(src: Path, out: Path, *, dtype: str, header: dict, digest: str) -> 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    tokenizer = _loaded("tokenizer", src, lambda: AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name))
     check_template(src, tokenizer)  # before the weights: a template every later stage renders
-    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
-                                                 dtype=getattr(torch, DTYPES[dtype]))
+    model = _loaded("weights", src, lambda: AutoModelForCausalLM.from_pretrained(
+        str(src.parent), gguf_file=src.name, dtype=getattr(torch, DTYPES[dtype])))
     # transformers keeps the GGUF marker and refuses to save; the weights are plain tensors by now
     model.config.__dict__.pop("quantization_config", None)
     model.hf_quantizer, model.is_quantized = None, False
