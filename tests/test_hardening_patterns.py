@@ -41,8 +41,8 @@ TOWER = "$9^{9^{9^{9}}}$"                                    # sympy would compu
 
 
 def sums(start: int, count: int) -> list[dict]:
-    return [{"prompt": f"{i // 10}+{i % 10}+{start}=", "answer": str(i // 10 + i % 10 + start)}
-            for i in range(count)]
+    return [{"prompt": f"{i // 10}+{i % 10}+{start}=", "answer": str(i // 10 + i % 10 + start),
+             "completion": str(i // 10 + i % 10 + start)} for i in range(count)]
 
 
 def write_jsonl(path, rows) -> None:

@@ -74,7 +74,8 @@ def test_each_stage_logs_a_run_with_trl_curves(reproduced):
     parts = {stage: {k.split(".", 2)[2] for k, v in row.items() if k.startswith("metrics.compute.") and v == v}
              for stage, row in by_stage.items()}
     assert parts == {"prepare": {"data_seconds", "model_seconds"}, "sft": {"train_seconds", "gate_seconds"},
-                     "grpo@dense": {"audit_seconds", "filter_seconds", "train_seconds", "gate_seconds"}, "serving": set(),
+                     "grpo@dense": {"audit_seconds", "filter_seconds", "train_seconds", "diagnostics_seconds",
+                                   "gate_seconds"}, "serving": set(),
                      "evaluate": {"sampling_seconds"}}
     # what each stage read, as MLflow dataset inputs: DVC md5 digests, the DVC path and commit as source
     inputs = mlflow.MlflowClient().get_run(by_stage["sft"].run_id).inputs.dataset_inputs
