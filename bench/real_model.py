@@ -58,7 +58,7 @@ def summarise(ws: Path, seed: int, resamples: int, uri: str) -> dict:
     start = "sft" if warmed else "base"
     rl = stats.compare(outcomes[start], outcomes["grpo"], "greedy_accuracy", resamples=resamples, seed=seed)
     train_seconds = sft.get("train_seconds", 0.0) + sum(m.get("train_seconds", 0.0) for m in grpo.values())
-    models = (("base", "base"), ("sft", "sft"), ("final", "grpo")) if warmed else (("base", "base"), ("final", "grpo"))
+    models = (("base", "base"), ("sft", "sft"), ("final", "grpo"))  # sft_*: None without a warmup
     return {"seed": seed, "n_prompts": base["n_prompts"], "warmup": warmed,
             **{f"{name}_{figure}": evaluate[key][src] if key in evaluate else None for name, key in models
                for figure, src in (("greedy", "greedy_accuracy"), ("greedy_ci95", "greedy_accuracy_ci95"),
