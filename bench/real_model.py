@@ -153,6 +153,12 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores, {' '.join(extras) or 'no AVX-512'}"
 
 
+def commit() -> str:
+    """The checkout's short commit, recorded beside every figure."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True).stdout.strip()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "recipes" / "smollm2-arithmetic.yaml"))
@@ -183,9 +189,7 @@ def main() -> None:
     (root / "real_model.md").write_text(report + "\n")
     (root / "real_model.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2) + "\n")
     if args.records:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                text=True).stdout.strip()
-        found = records(rows, machine(), commit)
+        found = records(rows, machine(), commit())
         Path(args.records).parent.mkdir(parents=True, exist_ok=True)
         Path(args.records).write_text(json.dumps({"config": str(args.config), "records": found}, indent=2) + "\n")
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from real_model import machine  # noqa: E402
+from real_model import commit as source_commit, machine  # noqa: E402
 from seed_sweep import run_seed  # noqa: E402
 
 from posttrain.config import read_config_dict  # noqa: E402
@@ -140,8 +139,7 @@ def main() -> None:
             raise SystemExit(f"{c['model']['path']}: no model there; run `make smollm2` first")
     k = max(config.get("evaluate", {}).get("k", [8]))
     resamples = config.get("stats", {}).get("bootstrap_resamples", 2000)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
+    commit = source_commit()
     where = {"machine": machine(), "commit": commit, "budget_samples": args.budget}
     out = Path(args.out)
     records = [r for r in (read_json(out).get("records", []) if out.is_file() else [])
