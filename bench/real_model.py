@@ -159,6 +159,18 @@ def commit() -> str:
                           text=True).stdout.strip()
 
 
+def write_records(path: Path, config: str, found: list[dict]) -> None:
+    """Merge `found` into the records file by seed: a seed run again replaces its record, the
+    others (run in another session, on another machine) are kept, each with its own machine."""
+    kept = []
+    if path.is_file():
+        kept = [r for r in json.loads(path.read_text()).get("records", [])
+                if r["seed"] not in {f["seed"] for f in found}]
+    merged = sorted(kept + found, key=lambda r: r["seed"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"config": config, "records": merged}, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "recipes" / "smollm2-arithmetic.yaml"))
@@ -189,9 +201,7 @@ def main() -> None:
     (root / "real_model.md").write_text(report + "\n")
     (root / "real_model.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2) + "\n")
     if args.records:
-        found = records(rows, machine(), commit())
-        Path(args.records).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.records).write_text(json.dumps({"config": str(args.config), "records": found}, indent=2) + "\n")
+        write_records(Path(args.records), str(args.config), records(rows, machine(), commit()))
 
 
 if __name__ == "__main__":

@@ -187,3 +187,34 @@ def test_a_model_it_cannot_plan_is_one_line(tmp_path):
     assert_refused(cli("memory", tmp_path / "nowhere"), "no config.json")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 768}))
     assert_refused(cli("memory", tmp_path), "gpt2", "dense decoder")
+
+
+PROBE = """
+import sys
+from flows.cli import main
+code = main(sys.argv[1:])
+heavy = sorted(m for m in ("torch", "transformers", "trl") if m in sys.modules)
+print("HEAVY=" + ",".join(heavy), file=sys.stderr)
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("case", ["missing", "no_config", "not_json", "no_fields", "bad_field"])
+def test_a_bad_model_folder_is_refused_before_torch_is_imported(case, tmp_path):
+    """Issue 49: `posttrain memory` on a missing folder or a broken config.json says so
+    before it imports torch or transformers (that import is seconds of CPU and ~650 MB)."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "model"
+    if case != "missing":
+        folder.mkdir()
+    body = {"not_json": "{x", "no_fields": json.dumps({"model_type": "llama"}),
+            "bad_field": json.dumps({**SHAPES["Qwen2.5-0.5B"][0], "num_hidden_layers": 4.0})}.get(case)
+    if body is not None:
+        (folder / "config.json").write_text(body)
+    done = subprocess.run([sys.executable, "-c", PROBE, "memory", str(folder)], capture_output=True, text=True)
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("HEAVY=")]
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1 and str(folder) in lines[0] and "fix:" in lines[0], done.stderr
+    assert "HEAVY=\n" in done.stderr, done.stderr  # none of torch, transformers, trl

@@ -561,27 +561,36 @@ def report(model: str, setup: Setup, *, gpu: str | None, gpus_file: str) -> dict
     from posttrain.capacity.profiles import load_gpu_profile
 
     where = "posttrain memory"
+
+    def refused(err: Exception) -> UserError:
+        if isinstance(err, FileNotFoundError):
+            return UserError(model, "no config.json found", "pass a model folder or a config.json path")
+        if isinstance(err, BadField):
+            return field_refused(model, err)
+        detail = f"no {err}" if isinstance(err, KeyError) else str(err)[:240]
+        return UserError(model, f"cannot plan this model ({detail})", "pass a dense decoder's config.json")
+
+    # the model's config.json first: a missing folder or a broken file is refused before the
+    # optimizer check imports transformers (seconds of CPU for a typo in a path)
+    try:
+        config = load_config_json(model)
+        layers = shape(config).layers
+    except (FileNotFoundError, BadField, KeyError, ValueError, TypeError) as err:
+        raise refused(err) from None
     check_ranges(setup, where)
     if setup.offload_params and setup.zero != 3:
         raise UserError(f"{where} --offload-params", "only ZeRO-3 shards and offloads the weights", "add --zero 3")
     if setup.vllm_share and not gpu:
         raise UserError(f"{where} --vllm-share", "a share of which GPU?", "name it with --gpu")
+    if setup.trainable_layers > layers:
+        raise UserError(f"{where} --trainable-layers", f"{setup.trainable_layers} exceeds the model's {layers} "
+                        "decoder layers", f"pass at most {layers}")
     check_optimizer(setup, where)
     gpu_bytes = int(load_gpu_profile(gpus_file, gpu)["memory_gib"] * GIB) if gpu else 0
     try:
-        config = load_config_json(model)
-        layers = shape(config).layers
-        if setup.trainable_layers > layers:
-            raise UserError(f"{where} --trainable-layers", f"{setup.trainable_layers} exceeds the model's {layers} "
-                            "decoder layers", f"pass at most {layers}")
         figures = plan(config, Setup(**{**asdict(setup), "gpu_bytes": gpu_bytes})).as_dict()
-    except FileNotFoundError:
-        raise UserError(model, "no config.json found", "pass a model folder or a config.json path") from None
-    except BadField as err:
-        raise field_refused(model, err) from None
-    except (KeyError, ValueError, TypeError) as err:
-        detail = f"no {err}" if isinstance(err, KeyError) else str(err)[:240]
-        raise UserError(model, f"cannot plan this model ({detail})", "pass a dense decoder's config.json") from None
+    except (BadField, KeyError, ValueError, TypeError) as err:
+        raise refused(err) from None
     if gpu:
         figures.update(gpu=gpu, gpu_bytes=gpu_bytes, fits=figures["total_bytes"] <= gpu_bytes)
     if setup.optim == "logra":
