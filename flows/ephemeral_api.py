@@ -18,12 +18,15 @@ for: only this user, through this process's server, could cancel it, and Ctrl-C 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import secrets
 import subprocess
 import threading
 import types
+from pathlib import Path
 
 from posttrain.runtime.lifetime import die_with_this_thread
 
@@ -95,7 +98,29 @@ def start_now() -> None:
     from prefect.server.api import server
 
     server.subprocess_server_logger.addFilter(_QUIET)
-    server.SubprocessASGIServer().start()
+    with one_start_at_a_time():
+        server.SubprocessASGIServer().start()
+
+
+START_LOCK = "posttrain-server-start.lock"
+
+
+@contextlib.contextmanager
+def one_start_at_a_time():
+    """Hold a lock in PREFECT_HOME while a temporary server starts: each new server migrates
+    Prefect's database at start-up, and two migrating a new database at once fail (runs
+    started together by a user's first cron tick and a hand: `duplicate column name`,
+    `No such index`). The next start waits a few seconds and finds the database migrated."""
+    from prefect.settings import PREFECT_HOME
+
+    home = Path(PREFECT_HOME.value()).expanduser()
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / START_LOCK, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def announce() -> None:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 LOCK = ".dvc/tmp/posttrain-retrain.lock"
+RWLOCK = ".dvc/tmp/rwlock"  # DVC's record of the outputs its running commands read and write
 _HELD: set[str] = set()
 
 
@@ -43,8 +44,48 @@ def lock(workdir: str | Path, log=print):
         fh.flush()
         _HELD.add(str(path))
         try:
+            wait_for_dvc(workdir, log)
             yield
         finally:
             _HELD.discard(str(path))
             fh.truncate(0)
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def wait_for_dvc(workdir: str | Path, log=print, poll: float = 1.0) -> None:
+    """Wait for the DVC commands at work in the workspace (a user's `dvc repro` there):
+    DVC holds its repo lock between a repro's stages and its per-output lock (rwlock)
+    while a stage's command runs, and a run that started meanwhile would fail on either
+    part-way (`dvc repro --wait-for-lock` waits for the first only). Returns once DVC's
+    repo lock is free and no live process holds an output; says once whom it waits for."""
+    if not Path(workdir, ".dvc", "config").is_file():  # not a DVC workspace yet: no DVC command works there
+        return
+    from dvc.repo import Repo
+
+    said = False
+    while True:
+        busy = dvc_commands_at_work(workdir)
+        if not busy:
+            with Repo(str(workdir), _wait_for_lock=True) as repo, repo.lock:  # between stages: after it
+                busy = dvc_commands_at_work(workdir)
+            if not busy:
+                return
+        if not said:
+            log(f"a DVC command works in {Path(workdir).resolve()} ({busy[0]}); waiting for it to finish")
+            said = True
+        time.sleep(poll)
+
+
+def dvc_commands_at_work(workdir: str | Path) -> list[str]:
+    """The live processes DVC's rwlock names in the workspace, as `pid N: command`."""
+    import json
+
+    import psutil
+
+    try:
+        held = json.loads((Path(workdir) / RWLOCK).read_text() or "{}")
+    except (FileNotFoundError, json.JSONDecodeError):  # none yet, or DVC writing it this instant
+        return []
+    infos = [*held.get("write", {}).values(), *(i for readers in held.get("read", {}).values() for i in readers)]
+    return sorted({f"pid {i['pid']}: {i['cmd']}" for i in infos
+                   if i.get("pid") != os.getpid() and psutil.pid_exists(int(i.get("pid", 0)))})

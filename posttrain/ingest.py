@@ -199,7 +199,7 @@ def version_incoming(workdir: str | Path, env, heldout: set[str], dvc: str = "dv
             dest.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
             written.append(dest)
         names = [str(p.relative_to(workdir)) for p in written]
-        run_checked([dvc, "add", "--quiet", *names], workdir)
+        run_checked([dvc, "--wait-for-lock", "add", "--quiet", *names], workdir)
         paths = [*(n + ".dvc" for n in names), f"{DATASETS}/.gitignore"]
         run_checked(["git", "add", *paths], workdir)
         rows = sum(len(r) for r in batches.values())

@@ -33,7 +33,7 @@ def stages(workdir: str | Path) -> list[dict]:
     import networkx as nx
     from dvc.repo import Repo
 
-    with Repo(str(workdir)) as repo:
+    with Repo(str(workdir), _wait_for_lock=True) as repo:  # a user's `dvc repro` there: after it
         # DVC's graph points from a stage to the stages it depends on: a post-order walk
         # visits every dependency first, as `dvc repro` does (networkx, not DVC's planner)
         planned = nx.dfs_postorder_nodes(repo.index.graph)
@@ -157,7 +157,7 @@ def repro_stage(stage: dict, workdir: str, run_id: str, tracking_uri: str) -> No
     from tasks.display import StageDisplay
 
     with StageDisplay(stage["name"]) as display:
-        code, tail = run_logged([tool_path("dvc"), "repro", "--single-item", stage["name"]], cwd=workdir, env=env,
+        code, tail = run_logged([tool_path("dvc"), "--wait-for-lock", "repro", "--single-item", stage["name"]], cwd=workdir, env=env,
                                 log_path=stage_log(workdir, stage), display=display)
     if code != 0:
         raise StageFailed(failure_line(stage, code, tail, stage_log(workdir, stage).relative_to(workdir)), tail)
@@ -250,7 +250,7 @@ def push_data(workdir: str, targets: list[str] | None = None) -> str:
     remote = subprocess.run([tool_path("dvc"), "remote", "default"], cwd=workdir, capture_output=True, text=True)
     if remote.returncode != 0 or not remote.stdout.strip():
         return "no DVC remote configured: nothing pushed"
-    done = subprocess.run([tool_path("dvc"), "push", "--quiet", *(targets or [])], cwd=workdir, env=stage_env(workdir),
+    done = subprocess.run([tool_path("dvc"), "--wait-for-lock", "push", "--quiet", *(targets or [])], cwd=workdir, env=stage_env(workdir),
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"dvc push failed: {done.stderr.strip()[-500:]}")

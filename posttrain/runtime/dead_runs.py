@@ -37,6 +37,9 @@ def mark_dead_runs(tracking_uri: str, workspace: str | Path, marked_by: str) -> 
     """
     from mlflow import MlflowClient
 
+    from posttrain.tracking.mlflow_runs import ready_store
+
+    ready_store(tracking_uri)
     client = MlflowClient(tracking_uri)
     experiments = [e.experiment_id for e in client.search_experiments()]
     found = client.search_runs(experiments, "attributes.status = 'RUNNING'") if experiments else []

@@ -49,6 +49,31 @@ def local_store(workspace: str | Path = ".") -> str:
     return f"sqlite:///{Path(workspace).resolve() / 'mlflow.db'}"
 
 
+_READY: set[str] = set()
+
+
+def ready_store(uri: str) -> None:
+    """A local SQLite store's tables made, by one process at a time: MLflow creates and
+    migrates them on a new database's first use, and two processes doing so at once (runs
+    of two workspaces sharing one store, started together) fail. A lock file beside the
+    database; once per process and store. Servers and other stores make their own."""
+    import fcntl
+
+    if uri in _READY or not uri.startswith("sqlite:///"):
+        return
+    from mlflow import MlflowClient
+
+    db = Path(uri.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.parent / f".{db.name}.posttrain-lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            MlflowClient(uri).search_experiments(max_results=1)  # the store's first use creates its tables
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+    _READY.add(uri)
+
+
 # The MLflow UI opens an experiment in the view its kind names: model training, not GenAI.
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
@@ -56,8 +81,11 @@ EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 def experiment_id(config, workspace: str | Path = ".") -> str:
     """The configured experiment, created on first use (artifacts next to a local store)."""
     import mlflow
+    from mlflow.exceptions import MlflowException
 
-    mlflow.set_tracking_uri(tracking_uri(config, workspace))
+    uri = tracking_uri(config, workspace)
+    ready_store(uri)
+    mlflow.set_tracking_uri(uri)
     found = mlflow.get_experiment_by_name(config.tracking.experiment)
     if found is not None:
         if EXPERIMENT_KIND[0] not in found.tags:
@@ -66,8 +94,14 @@ def experiment_id(config, workspace: str | Path = ".") -> str:
     location = None
     if mlflow.get_tracking_uri().startswith("sqlite:"):
         location = (Path(workspace).resolve() / "mlartifacts").as_uri()
-    return mlflow.create_experiment(config.tracking.experiment, artifact_location=location,
-                                    tags=dict([EXPERIMENT_KIND]))
+    try:
+        return mlflow.create_experiment(config.tracking.experiment, artifact_location=location,
+                                        tags=dict([EXPERIMENT_KIND]))
+    except MlflowException as err:  # another workspace's run sharing the store made it meanwhile
+        found = mlflow.get_experiment_by_name(config.tracking.experiment)
+        if found is None or err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return found.experiment_id
 
 
 COMPUTE_PREFIX = "compute."  # a stage run's metric `compute.<part>_seconds`: the seconds of its own work
@@ -274,9 +308,10 @@ def finished_run(workdir: str | Path, config, uri: str) -> tuple[str, str] | Non
     lock = dvc_lock_hashes(workdir).get("dvc.lock_md5")
     if not lock:
         return None
-    with Repo(str(workdir)) as repo:
+    with Repo(str(workdir), _wait_for_lock=True) as repo:  # a user's `dvc repro` there: after it
         if repo.status():
             return None
+    ready_store(uri)
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name(config.tracking.experiment)
     if experiment is None:
