@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: install run test test-fast docs repro bench bench-throughput bench-scaling bench-seeds bench-real bench-tools bench-zero bench-stages bench-audit bench-hacking bench-savers bench-memory-table smollm2 clean
+.PHONY: install run test test-fast docs repro bench bench-throughput bench-scaling bench-seeds bench-real bench-tools bench-zero bench-headroom bench-stages bench-audit bench-hacking bench-savers bench-memory-table smollm2 clean
 
 install: $(VENV)/.installed
 
@@ -75,6 +75,10 @@ bench-tools: smollm2
 # GRPO alone, from the base model (sft: off): configs/recipes/smollm2-arithmetic-zero.yaml over seeds 0-2
 bench-zero: smollm2
 	$(BIN)/python bench/real_model.py --config configs/recipes/smollm2-arithmetic-zero.yaml --root $(or $(ROOT),runs/bench-zero) --records bench/results/grpo_zero.json
+
+# GRPO after SFT, sized to the warmup's headroom: the gain over its own SFT model, seeds 0-2 (issue 44, item 2)
+bench-headroom: smollm2
+	$(BIN)/python bench/real_model.py --config configs/recipes/smollm2-arithmetic-headroom.yaml --root $(or $(ROOT),runs/bench-headroom) --records bench/results/grpo_headroom.json
 
 # what each stage buys: base / SFT only / GRPO only / SFT then GRPO at one budget of samples seen, seeds 0-2 (hours)
 bench-stages: smollm2
