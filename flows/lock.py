@@ -60,12 +60,14 @@ def wait_for_dvc(workdir: str | Path, log=print, poll: float = 1.0) -> None:
     repo lock is free and no live process holds an output; says once whom it waits for."""
     if not Path(workdir, ".dvc", "config").is_file():  # not a DVC workspace yet: no DVC command works there
         return
-    from dvc.repo import Repo
-
     said = False
     while True:
         busy = dvc_commands_at_work(workdir)
+        if not busy and not Path(workdir, ".dvc", "tmp", "lock").exists():  # DVC makes it at its first lock
+            return
         if not busy:
+            from dvc.repo import Repo
+
             with Repo(str(workdir), _wait_for_lock=True) as repo, repo.lock:  # between stages: after it
                 busy = dvc_commands_at_work(workdir)
             if not busy:
