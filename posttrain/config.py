@@ -321,6 +321,11 @@ class PromotionSection(Section):
     require_significance: bool = Field(True, description="Champion only when `metric` (an evaluate accuracy or "
                                        "pass@k) beats the champion's beyond noise: a paired test on the same "
                                        "held-out prompts with p < stats.alpha.")
+    export: Literal["off", "gguf"] = Field("off", description="`gguf`: a new champion also as a GGUF file and an "
+                                           "Ollama Modelfile (`posttrain model export`), logged with its registered "
+                                           "version's files under gguf/.")
+    export_type: Literal["f32", "f16", "bf16", "q8_0"] = Field("f16", description="The GGUF file's matrix type "
+                                                               "(norms and biases stay f32).")
 
     @field_validator("model_name")
     @classmethod

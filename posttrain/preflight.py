@@ -33,7 +33,22 @@ def everything(path: str | Path, config: PipelineConfig, *, here: bool) -> tuple
     gpu_profiles(path, config)
     longest = model_room(path, config, env, rows)
     launchers(path, config, here=here)
+    _check_export(path, config)
     return longest, env, rows
+
+
+def _check_export(path: Path, config: PipelineConfig) -> None:
+    """`promotion.export: gguf` needs a model the GGUF export writes (the tiny built-in one is):
+    refused here rather than after training, when the champion is exported."""
+    if config.promotion.export != "gguf" or config.model.path is None:
+        return
+    from posttrain.models.export_checks import exportable
+
+    try:
+        exportable(resolve(config.model.path))
+    except UserError as err:
+        raise UserError(f"{path}: promotion.export", f"gguf, but {show(config.model.path)} {err.problem}",
+                        f"{err.fix}; or set promotion.export: off") from None
 
 
 def for_stage(stage: str, path: str | Path, config: PipelineConfig) -> None:

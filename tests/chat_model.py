@@ -19,12 +19,14 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def build_chat_model(dest: Path, texts: list[str], *, vocab_size: int = 400, hidden_size: int = 64,
-                     layers: int = 2, heads: int = 2, kv_heads: int = 1, positions: int = 512, seed: int = 0) -> Path:
+                     layers: int = 2, heads: int = 2, kv_heads: int = 1, positions: int = 512, seed: int = 0,
+                     architecture: str = "qwen2") -> Path:
     """Write the tokenizer and model to `dest`; head_dim = hidden_size / heads (vLLM's CPU
-    kernels want >= 32)."""
+    kernels want >= 32). `architecture`: qwen2, or llama (SmolLM2's and Llama 3's family)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                              Qwen2ForCausalLM)
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -37,13 +39,15 @@ def build_chat_model(dest: Path, texts: list[str], *, vocab_size: int = 400, hid
     tokenizer.chat_template = CHATML
     tokenizer.save_pretrained(dest)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL}
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                 "llama": (LlamaConfig, LlamaForCausalLM)}[architecture]
+    config = config_class(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          max_position_embeddings=positions, tie_word_embeddings=True,
                          bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
                          pad_token_id=ids["<|endoftext|>"])
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = model_class(config)
     model.generation_config = GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
     model.save_pretrained(dest)
     return Path(dest)

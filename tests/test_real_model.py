@@ -150,3 +150,26 @@ def test_the_import_generates_what_the_gguf_load_does(smollm2, tmp_path):
         ours = imported.generate(**batch, max_new_tokens=16, do_sample=False)
         theirs = direct.generate(**batch, max_new_tokens=16, do_sample=False)
     assert len(prompts) == 20 and torch.equal(ours, theirs)
+
+
+def test_a_gguf_export_of_smollm2_imports_back_the_same_model(smollm2, tmp_path):
+    """`model export` at f32, then `model import`: the same weights and the same greedy replies
+    on 20 chat prompts; the file names SmolLM2's pre-tokenizer as llama.cpp does (issue 46)."""
+    import torch
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sh("posttrain", "model", "export", smollm2, tmp_path / "s.gguf", "--type", "f32", cwd=tmp_path)
+    assert GGUFReader(tmp_path / "s.gguf").fields["tokenizer.ggml.pre"].contents() == "smollm"
+    sh("posttrain", "model", "import", tmp_path / "s.gguf", tmp_path / "back", cwd=tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    models = [AutoModelForCausalLM.from_pretrained(f, dtype=torch.float32) for f in (smollm2, tmp_path / "back")]
+    assert all(torch.equal(a, b) for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values()))
+    replies = [[], []]
+    for i in range(20):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": f"{i} + {2 * i + 7}"}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)
+        for model, out in zip(models, replies):
+            with torch.inference_mode():
+                out.append(model.generate(**ids, max_new_tokens=12, do_sample=False)[0].tolist())
+    assert replies[0] == replies[1]

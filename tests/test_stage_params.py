@@ -137,6 +137,7 @@ CHANGES = {
     "evaluate.max_prompts": 100, "evaluate.backend": "transformers",
     "promotion.enabled": False, "promotion.model_name": "other", "promotion.metric": "evaluate.sft.greedy_accuracy",
     "promotion.higher_is_better": False, "promotion.require_significance": False,
+    "promotion.export": "gguf", "promotion.export_type": "q8_0",
     "stats.alpha": 0.01, "stats.bootstrap_resamples": 1000,
     "tracking.uri": "sqlite:///elsewhere.db", "tracking.experiment": "other",
     "orchestration.retries": 3, "orchestration.retry_delay_seconds": 10,

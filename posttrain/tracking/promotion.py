@@ -14,6 +14,7 @@ p-value, go to the version's and the run's tags.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import NamedTuple
 
 from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
@@ -80,6 +81,19 @@ def log_final_model(client, run_id: str, model_dir: str, metrics: dict[str, floa
                      metrics={k: v for k, v in metrics.items() if k.startswith(FINAL_METRICS)})
 
 
+def export_champion(client, model_id: str, model_dir: str, name: str, *, kind: str, system: str | None) -> str:
+    """The champion as a GGUF file and its Ollama Modelfile (posttrain.models.gguf_export),
+    logged with the registered version's model files under gguf/; returns the file's path there."""
+    import tempfile
+
+    from posttrain.models.gguf_export import export_gguf
+
+    with tempfile.TemporaryDirectory(prefix="posttrain-gguf-") as folder:
+        export_gguf(model_dir, Path(folder) / name, kind=kind, system=system)
+        client.log_model_artifacts(model_id, folder, artifact_path="gguf")
+    return f"gguf/{name}"
+
+
 def promote(config, run_id: str, model_dir: str, metrics: dict[str, float], serving: dict,
             outcomes: dict | None = None, *, tracking_uri: str) -> Promotion:
     """Log the final model to the parent run `run_id`, register it and alias it.
@@ -119,4 +133,8 @@ def promote(config, run_id: str, model_dir: str, metrics: dict[str, float], serv
     for key, value in {"posttrain.tracking.promotion": alias, "posttrain.promotion_reason": reason,
                        "posttrain.model_version": str(version)}.items():
         client.set_tag(run_id, key, value)
+    if settings.export == "gguf" and alias == "champion":
+        path = export_champion(client, model.model_id, model_dir, f"{settings.model_name}-v{version}.gguf",
+                               kind=settings.export_type, system=config.data.options.get("system"))
+        client.set_model_version_tag(settings.model_name, version, "posttrain.gguf", path)
     return Promotion(alias, str(version), reason)
