@@ -44,8 +44,8 @@ def update(done: int, total: int | None, **figures: float) -> None:
     if name is None:
         return
     percent, now = (100 * done // total if total else 0), time.monotonic()
-    if _state["shown"] == name and done < _state["done"]:  # a new loop in the phase (the next model's prompts)
-        _state.update(percent=0, at=now)
+    if _state["shown"] == name and done < _state["done"]:  # a new loop in the phase (the next model's prompts):
+        _state.update(percent=-1, at=float("-inf"))  # shown at once, so the display's clock starts with it
     _state["done"] = done
     final = bool(total) and done >= total
     if _state["shown"] == name and not final and (percent <= _state["percent"] or now - _state["at"] < MIN_SECONDS):

@@ -53,7 +53,9 @@ class StageDisplay:
         new_phase, new_loop = phase != self.phase, bool(total) and done < self.done  # a loop in it starts again
         self.done = done
         if new_phase or new_loop:
-            self.phase, self.started, self.shown = phase, time.monotonic(), 0
+            # a loop's first update starts its clock: its line comes at the next tenth, with a real estimate
+            self.phase, self.started = phase, time.monotonic()
+            self.shown = 10 * done // total if new_loop else 0
             if self.bar is not None:
                 if self.task is not None:
                     self.bar.remove_task(self.task)

@@ -32,6 +32,17 @@ def test_progress_lines_come_at_most_every_percent_and_at_the_end(capsys, monkey
     assert progress.parse("{'loss': 0.1}\n") is None and progress.parse(progress.PREFIX + "not json") is None
 
 
+def test_a_new_loop_in_a_phase_is_shown_at_its_first_update(capsys):
+    """The next sampler of a gate: its first batch is shown at once, not when the 2 s throttle
+    lets the next line through (the display then started its clock at 86% done, "0.0 s left")."""
+    with progress.phase("gate"):
+        for done in range(10, 101, 10):
+            progress.update(done, 100)
+        progress.update(10, 100)  # the next model's first batch, within 2 s of the last line
+    events = [progress.parse(line + "\n") for line in capsys.readouterr().out.splitlines()]
+    assert [e["done"] for e in events] == [0, 100, 10]  # the phase, the first loop's end, the next one at once
+
+
 def plain_display(stage: str) -> tuple[StageDisplay, io.StringIO]:
     out = io.StringIO()
     return StageDisplay(stage, stream=out), out
