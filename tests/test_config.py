@@ -112,7 +112,18 @@ def test_extends_merges_mappings_and_replaces_lists(tmp_path):
     "sft: {trl: {lr_scheduler_type: cosine, num_train_epochs: 2, learning_rate: 3}}\n",  # ints where TRL has floats
 ])
 def test_accepted_variants(tmp_path, text):
-    load_checked(write(tmp_path, text))
+    """Accepted, and every value the variant sets is the loaded config's (ints where TRL has floats equal)."""
+    loaded = load_checked(write(tmp_path, text)).model_dump()
+
+    def leaves(tree: dict, prefix=()):
+        for key, value in tree.items():
+            yield from leaves(value, (*prefix, key)) if isinstance(value, dict) else [((*prefix, key), value)]
+
+    for path, value in leaves(yaml.safe_load(text)):
+        found = loaded
+        for key in path:
+            found = found[key]
+        assert found == value, (path, found, value)
 
 
 def test_gpu_profiles_beside_the_config_come_first(tmp_path):

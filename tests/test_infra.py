@@ -386,7 +386,8 @@ def test_base_job_template_passes_the_servers_validation():
     (every placeholder a declared variable)."""
     from prefect.server.schemas.actions import WorkPoolCreate
 
-    WorkPoolCreate(name="posttrain-k8s", type="kubernetes", base_job_template=template())
+    created = WorkPoolCreate(name="posttrain-k8s", type="kubernetes", base_job_template=template())
+    assert created.base_job_template == template()  # taken whole: nothing dropped or rewritten
 
 
 def test_every_variable_is_used_and_every_placeholder_declared():

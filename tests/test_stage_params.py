@@ -351,7 +351,18 @@ def test_the_shipped_params_file_has_every_key_dvc_yaml_lists():
     from posttrain import preflight
 
     path = REPO / PARAMS_FILE
-    preflight.dvc_params(path, PipelineConfig.model_validate(read_config_dict(path)))
+    preflight.dvc_params(path, PipelineConfig.model_validate(read_config_dict(path)))  # raises on a missing key
+    listed = {key for stage in yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"].values()
+              for entry in stage.get("do", stage).get("params") or [] if isinstance(entry, dict)
+              for key in entry.get(PARAMS_FILE) or []}
+    assert len(listed) > 10  # dvc.yaml lists the params of every stage under the params file
+    shipped = read_config_dict(path)
+    stages = list(shipped["grpo"])  # the grpo stage's foreach: `grpo.${key}` is each GRPO stage
+    for key in {k.replace("${key}", name) for k in listed for name in stages}:  # each listed key is there
+        found = shipped
+        for part in key.split("."):
+            assert isinstance(found, dict) and part in found, key
+            found = found[part]
 
 
 def test_a_params_file_missing_a_key_is_refused_before_any_stage(tmp_path):
