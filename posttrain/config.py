@@ -233,6 +233,7 @@ class GRPOStage(Section):
     @field_validator("audit", mode="before")
     @classmethod
     def _audit_shorthand(cls, value):
+        value = "off" if value is False else value  # YAML 1.1 reads a bare `audit: off` as false
         return {"action": value} if isinstance(value, str) else value
 
 
@@ -326,6 +327,11 @@ class PromotionSection(Section):
                                            "version's files under gguf/.")
     export_type: Literal["f32", "f16", "bf16", "q8_0"] = Field("f16", description="The GGUF file's matrix type "
                                                                "(norms and biases stay f32).")
+
+    @field_validator("export", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` (as `dvc exp run -S` writes it) as false
 
     @field_validator("model_name")
     @classmethod

@@ -171,3 +171,10 @@ def test_a_stage_process_checks_what_its_own_work_touches(tmp_path, stage, build
     if module:
         sys.modules.pop("custom.counting"), sys.modules.pop("custom", None)
         importlib.invalidate_caches()
+
+
+def test_a_bare_off_reads_as_off(tmp_path):
+    """YAML 1.1 reads a bare `off` as false, and `dvc exp run -S` writes the params file back
+    unquoted: `promotion.export` and a stage's `audit` shorthand take false as `off`."""
+    config = load_config(write(tmp_path, "promotion: {export: off}\ngrpo: {dense: {audit: off}}\n"))
+    assert config.promotion.export == "off" and config.grpo["dense"].audit.action == "off"
