@@ -194,7 +194,10 @@ def test_a_new_champion_is_logged_as_gguf_with_its_version(tiny_default, tmp_pat
     raw["data"]["options"] = {**raw["data"].get("options", {}), "system": "Add."}
     config = PipelineConfig.model_validate(raw)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    import mlflow
+
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the registry finds logged models there, as in a run
+    monkeypatch.setattr(mlflow.tracking._tracking_service.utils, "_tracking_uri", None)  # not an earlier test's
     client = MlflowClient(uri)
     experiment = client.create_experiment("export", artifact_location=(tmp_path / "artifacts").as_uri())
     found = []
