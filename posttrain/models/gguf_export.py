@@ -131,18 +131,19 @@ def _write(path: Path, model_dir: Path, config: dict, arch: str, permute: bool, 
                           "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind])
 
     vocab_size = max(config.get("vocab_size", 0), len(tokenizer))
-    tokens, types = _vocabulary(tokenizer, vocab_size)
+    word_level = _is_word_level(tokenizer)  # read once: the vocabulary, the merges and the scores follow it
+    tokens, types = _vocabulary(tokenizer, vocab_size, word_level)
     writer.add_vocab_size(vocab_size)
     writer.add_tokenizer_model("gpt2")
     pre = pre_tokenizer(tokenizer)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    special = gguf.SpecialVocab(model_dir, load_merges=not _is_word_level(tokenizer), n_vocab=vocab_size)
+    special = gguf.SpecialVocab(model_dir, load_merges=not word_level, n_vocab=vocab_size)
     if tokenizer.chat_template:
         special.chat_template = tokenizer.chat_template
     special.add_to_gguf(writer, quiet=True)
-    if _is_word_level(tokenizer):  # a BPE without merges (GGUF has no empty array): scores, from which
+    if word_level:  # a BPE without merges (GGUF has no empty array): scores, from which
         writer.add_token_scores([0.0] * len(tokens))  # a reader derives none; llama.cpp wants merges
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch == "llama" else gguf.MODEL_ARCH.QWEN2, layers)
@@ -184,14 +185,14 @@ def _tensor_type(data, kind: str):
     return {"f16": T.F16, "bf16": T.BF16}[kind]
 
 
-def _vocabulary(tokenizer, size: int) -> tuple[list[str], list[int]]:
+def _vocabulary(tokenizer, size: int, word_level: bool) -> tuple[list[str], list[int]]:
     """Every id's token and type as llama.cpp lists them (convert_hf_to_gguf.py, get_vocab_base);
     a character-level vocabulary's characters in GPT-2's byte-level alphabet (a space is `Ġ`)."""
     from gguf import TokenType
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     reverse = {i: t for t, i in tokenizer.get_vocab().items()}
-    if _is_word_level(tokenizer):
+    if word_level:
         alphabet = bytes_to_unicode()
         reverse.update({i: alphabet[ord(c)] for i, c in (_characters(tokenizer) or {}).items()})
     added = tokenizer.get_added_vocab()
