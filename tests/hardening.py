@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 
 @dataclass
 class Done:
@@ -101,3 +103,14 @@ def assert_nothing_left(folder: Path, before: dict) -> None:
     assert after["commits"] == before["commits"], "a commit was made"
     assert after["runs"] == before["runs"], "an MLflow run was created or changed"
     assert "RUNNING" not in after["runs"].values()
+
+
+def assert_interrupt_leaves_nothing(monkeypatch, module, step: str, write, folder: Path) -> None:
+    """The user's Ctrl-C (KeyboardInterrupt) raised from `module.step` while `write()` writes:
+    it reaches the caller, and `folder` is left as empty as it was."""
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(module, step, stop)
+    with pytest.raises(KeyboardInterrupt):
+        write()
+    assert list(folder.iterdir()) == []

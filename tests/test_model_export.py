@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from chat_model import build_chat_model
-from hardening import assert_refused, cli, state
+from hardening import assert_interrupt_leaves_nothing, assert_refused, cli, state
 
 TEXTS = ["12 + 30 = 42", "What is the capital of France? Paris.", "count the rows where age > 40"] * 20
 PROMPTS = [f"{a} + {b}" for a, b in zip(range(10), range(30, 50, 2))] + ["What is the capital", "count the rows",
@@ -140,12 +140,9 @@ def test_an_existing_out_or_modelfile_is_refused_untouched(tiny, tmp_path, exist
 def test_an_interrupted_export_leaves_nothing(tiny, tmp_path, monkeypatch):
     from posttrain.models import gguf_export
 
-    def stop(*args, **kwargs):
-        raise KeyboardInterrupt  # the user's Ctrl-C while the tensors are written
-    monkeypatch.setattr(gguf_export, "_tensor_type", stop)
-    with pytest.raises(KeyboardInterrupt):
-        gguf_export.export_gguf(tiny, tmp_path / "m.gguf")
-    assert list(tmp_path.iterdir()) == []
+    # Ctrl-C while the tensors are written
+    assert_interrupt_leaves_nothing(monkeypatch, gguf_export, "_tensor_type",
+                                    lambda: gguf_export.export_gguf(tiny, tmp_path / "m.gguf"), tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -196,10 +193,11 @@ def test_a_new_champion_is_logged_as_gguf_with_its_version(tiny_default, tmp_pat
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     import mlflow
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the registry finds logged models there, as in a run
-    monkeypatch.setattr(mlflow.tracking._tracking_service.utils, "_tracking_uri", None)  # not an earlier test's
+    # another store set globally (an earlier test's, a user's session): promote writes to `uri` alone
+    monkeypatch.setattr(mlflow.tracking._tracking_service.utils, "_tracking_uri", f"sqlite:///{tmp_path / 'other.db'}")
     client = MlflowClient(uri)
     experiment = client.create_experiment("export", artifact_location=(tmp_path / "artifacts").as_uri())
+    other = mlflow.get_tracking_uri()
     found = []
     for value in (0.5, 0.4):
         run = client.create_run(experiment)
@@ -207,6 +205,7 @@ def test_a_new_champion_is_logged_as_gguf_with_its_version(tiny_default, tmp_pat
                              tracking_uri=uri))
         client.set_terminated(run.info.run_id)
     assert [p.alias for p in found] == ["champion", "challenger"]
+    assert mlflow.get_tracking_uri() == other and not (tmp_path / "other.db").exists()  # left as it was, unused
     champion, challenger = (client.get_model_version(config.promotion.model_name, p.version) for p in found)
     assert champion.tags["posttrain.gguf"] == "gguf/posttrain-v1.gguf" and "posttrain.gguf" not in challenger.tags
     model_id, = [m.model_id for m in client.search_logged_models([experiment])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gguf_model import write_tiny_gguf
-from hardening import assert_refused, cli, state
+from hardening import assert_interrupt_leaves_nothing, assert_refused, cli, state
 
 PROMPTS = ["12 + 30 =", "What is the capital", "count the rows", "Paris", "42"]
 
@@ -112,12 +112,9 @@ def test_an_existing_out_dir_is_refused_untouched(tiny_gguf, tmp_path):
 def test_an_interrupted_import_leaves_nothing(tiny_gguf, tmp_path, monkeypatch):
     from posttrain.models import gguf_import
 
-    def stop(*args, **kwargs):
-        raise KeyboardInterrupt  # the user's Ctrl-C while the weights are written
-    monkeypatch.setattr(gguf_import, "model_card", stop)
-    with pytest.raises(KeyboardInterrupt):
-        gguf_import.import_gguf(tiny_gguf, tmp_path / "out")
-    assert list(tmp_path.iterdir()) == []
+    # Ctrl-C while the weights are written
+    assert_interrupt_leaves_nothing(monkeypatch, gguf_import, "model_card",
+                                    lambda: gguf_import.import_gguf(tiny_gguf, tmp_path / "out"), tmp_path)
 
 
 def test_fetch_of_an_unknown_model_names_the_known_ones(tmp_path):

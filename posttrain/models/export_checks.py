@@ -20,14 +20,14 @@ def refuse(what, problem: str, fix: str):
     return UserError(f"{WHERE} {what}", problem, fix)
 
 
-def exportable(model_dir: Path) -> tuple[dict, str, bool, list[Path]]:
+def exportable(model_dir: Path) -> tuple[dict, str, bool, list[Path], bool]:
     """What the export reads of the folder, checked without transformers (its config, the
-    architecture, the weights, the tokenizer's kind): UserError naming what it cannot write."""
+    architecture, the weights, the tokenizer's kind): UserError naming what it cannot write.
+    The last value: whether the vocabulary is character-level (`tokenizer_kind`)."""
     config = model_config(model_dir)
     arch, permute = architecture(model_dir, config)
     weights = weight_files(model_dir)
-    tokenizer_kind(model_dir)
-    return config, arch, permute, weights
+    return config, arch, permute, weights, tokenizer_kind(model_dir) == "WordLevel"
 
 
 def modelfile_path(out: Path) -> Path:

@@ -19,7 +19,6 @@ into place when complete.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -64,11 +63,11 @@ def export_gguf(model_dir: str | Path, out: str | Path, *, kind: str = "f16", sy
             raise refuse(path, "already exists", "pass a new file name, or remove this one first")
     if not out.parent.is_dir():
         raise refuse(out, f"its folder {out.parent} does not exist", "create it first")
-    config, arch, permute, weights = exportable(model_dir)
+    config, arch, permute, weights, word_level = exportable(model_dir)
     tokenizer = tokenizer_of(model_dir)
     partial = Path(tempfile.mkstemp(prefix=f".{out.name}.partial-", dir=out.parent)[1])
     try:
-        written = _write(partial, model_dir, config, arch, permute, tokenizer, weights, kind)
+        written = _write(partial, model_dir, config, arch, permute, tokenizer, weights, kind, word_level)
         partial.chmod(0o644)  # mkstemp's 0600 would stay on the finished file
         os.replace(partial, out)
     finally:
@@ -84,13 +83,6 @@ def tokenizer_of(model_dir: Path):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def _characters(tokenizer) -> dict[int, str] | None:
-    """A character-level ASCII vocabulary's ids and characters (special tokens aside), else None."""
-    special = set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values()}
-    chars = {i: t for t, i in tokenizer.get_vocab().items() if t not in special}
-    return chars if all(len(t) == 1 and ord(t) < 128 for t in chars.values()) else None
-
-
 def pre_tokenizer(tokenizer) -> str:
     """llama.cpp's name for the tokenizer's pre-tokenizer, or "default" for one it does not know."""
     digest = hashlib.sha256(str(tokenizer.encode(PROBE)).encode()).hexdigest()
@@ -104,7 +96,7 @@ def _permute(weights, heads: int):
 
 
 def _write(path: Path, model_dir: Path, config: dict, arch: str, permute: bool, tokenizer, weights: list[Path],
-           kind: str) -> dict:
+           kind: str, word_level: bool) -> dict:
     import gguf
     import numpy as np
     from safetensors import safe_open
@@ -131,7 +123,6 @@ def _write(path: Path, model_dir: Path, config: dict, arch: str, permute: bool, 
                           "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind])
 
     vocab_size = max(config.get("vocab_size", 0), len(tokenizer))
-    word_level = _is_word_level(tokenizer)  # read once: the vocabulary, the merges and the scores follow it
     tokens, types = _vocabulary(tokenizer, vocab_size, word_level)
     writer.add_vocab_size(vocab_size)
     writer.add_tokenizer_model("gpt2")
@@ -192,10 +183,10 @@ def _vocabulary(tokenizer, size: int, word_level: bool) -> tuple[list[str], list
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     reverse = {i: t for t, i in tokenizer.get_vocab().items()}
-    if word_level:
-        alphabet = bytes_to_unicode()
-        reverse.update({i: alphabet[ord(c)] for i, c in (_characters(tokenizer) or {}).items()})
     added = tokenizer.get_added_vocab()
+    if word_level:  # every other token is one ASCII character (export_checks.tokenizer_kind checked)
+        alphabet = bytes_to_unicode()
+        reverse.update({i: alphabet[ord(t)] for i, t in reverse.items() if t not in added})
     special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     tokens, types = [], []
     for i in range(size):
@@ -209,9 +200,6 @@ def _vocabulary(tokenizer, size: int, word_level: bool) -> tuple[list[str], list
                      else TokenType.NORMAL)
     return tokens, types
 
-
-def _is_word_level(tokenizer) -> bool:
-    return json.loads(tokenizer.backend_tokenizer.to_str())["model"]["type"] == "WordLevel"
 
 
 def ollama_modelfile(gguf_name: str, template: tuple[str, str] | None, system: str | None) -> str:

@@ -109,6 +109,26 @@ _compute: dict[str, float] = {}
 
 
 @contextlib.contextmanager
+def global_tracking_uri(uri: str):
+    """MLflow's global tracking URI (and MLFLOW_TRACKING_URI) set to `uri` for the block, then
+    what they were. The registry resolves a `models:/<id>` source through the global store
+    (MLflow 3's create_model_version), not through the client that asks."""
+    import mlflow
+    from mlflow.tracking._tracking_service import utils
+
+    before, exported = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        utils._tracking_uri = before
+        if exported is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = exported
+
+
+@contextlib.contextmanager
 def compute(part: str):
     """Time a piece of the stage's own work (training, sampling, a gate's evaluation, the
     vLLM check): the stage run logs the sum per part as `compute.<part>_seconds` when it

@@ -21,7 +21,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 
 from posttrain.scoring import stats
 from posttrain.tracking.lineage import log_model
-from posttrain.tracking.mlflow_runs import OUTCOMES_ARTIFACT, run_outcomes
+from posttrain.tracking.mlflow_runs import OUTCOMES_ARTIFACT, global_tracking_uri, run_outcomes
 
 
 class Promotion(NamedTuple):
@@ -123,8 +123,9 @@ def promote(config, run_id: str, model_dir: str, metrics: dict[str, float], serv
         client.create_registered_model(settings.model_name)
     except MlflowException:
         pass  # it exists
-    version = client.create_model_version(settings.model_name, f"models:/{model.model_id}", run_id=run_id,
-                                          model_id=model.model_id).version
+    with global_tracking_uri(tracking_uri):  # where the registry looks the logged model up
+        version = client.create_model_version(settings.model_name, f"models:/{model.model_id}", run_id=run_id,
+                                              model_id=model.model_id).version
     # the link from the logged model to its registry versions, as mlflow.register_model records it
     client.set_logged_model_tags(model.model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(
         [{"name": settings.model_name, "version": str(version)}])})
