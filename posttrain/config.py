@@ -298,6 +298,28 @@ class ServingSection(Section):
     load_test: LoadTest = Field(LoadTest(), description="A load test behind vLLM's OpenAI server.")
 
 
+class HarnessSection(Section):
+    """lm-evaluation-harness beside posttrain's evaluator (docs/evaluation.md): each model the
+    evaluate stage scores is also run through `lm-eval` (model type `hf`, the local folder) on
+    the held-out split as a task posttrain writes (`posttrain_heldout`: the same prompts, chat
+    template and token budget, greedy, the environment's verifier as its filter, `exact_match`),
+    and on the task folders listed. A single-turn task fails loudly when lm-eval's greedy
+    accuracy and posttrain's differ by more than one prompt."""
+    lm_eval: bool = Field(False, description="Run lm-eval on every evaluated model; its figures go into "
+                                             "metrics/evaluate.json (`<model>.harness.<task>.<metric>`) and MLflow.")
+    tasks: list[str] = Field([], max_length=32, description="Your own lm-eval task folders (local data, YAML "
+                                                            "task configs), run beside posttrain_heldout.")
+    batch_size: int = Field(32, ge=1, le=4096, description="lm-eval's batch size.")
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks_need_the_harness(cls, tasks, info):
+        if tasks and info.data.get("lm_eval") is False:
+            raise invalid("lm-eval task folders are listed but lm_eval is false",
+                          "set evaluate.harness.lm_eval: true, or drop tasks")
+        return tasks
+
+
 class EvaluateSection(Section):
     max_new_tokens: int = Field(8, gt=0, description="Tokens generated per completion; with the longest "
                                                      "prompt, within the model's positions.")
@@ -308,6 +330,8 @@ class EvaluateSection(Section):
         "auto", description="Sampler: vllm (one engine for all models), transformers generate, or auto "
                             "(vllm when installed and a CUDA GPU is present).")
     max_prompts: int | None = Field(None, gt=0, description="Evaluate at most this many held-out prompts.")
+    harness: HarnessSection = Field(default_factory=HarnessSection,
+                                    description="lm-evaluation-harness figures beside posttrain's own.")
 
 
 class PromotionSection(Section):

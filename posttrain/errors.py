@@ -33,6 +33,11 @@ class PredictionMismatch(GateFailure):
     A gate like any other (one line, exit 3), not a crash."""
 
 
+class HarnessMismatch(GateFailure):
+    """lm-evaluation-harness and posttrain's evaluator disagree on a model's greedy accuracy
+    beyond a prompt on the same prompts: one of them misreads the model (one line, exit 3)."""
+
+
 class ReplayError(RuntimeError):
     """`posttrain replay` itself failed (a clone, a pull, the rerun), as opposed to metrics
     that differ: the CLI prints the one-line reason and exits 4."""

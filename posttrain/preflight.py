@@ -34,7 +34,64 @@ def everything(path: str | Path, config: PipelineConfig, *, here: bool) -> tuple
     longest = model_room(path, config, env, rows)
     launchers(path, config, here=here)
     _check_export(path, config)
+    harness_tasks(path, config, env)
     return longest, env, rows
+
+
+def harness_tasks(path: Path, config: PipelineConfig, env) -> list[str]:
+    """`evaluate.harness`: lm-eval installed, a single-turn environment (lm-eval runs no
+    tool episodes), and each task folder there with at least one task config; the task
+    names the folders define, in order."""
+    harness = config.evaluate.harness
+    if not harness.lm_eval:
+        return []
+    import importlib.util
+
+    where = f"{path}: evaluate.harness"
+    if importlib.util.find_spec("lm_eval") is None:
+        raise UserError(f"{where}.lm_eval", "lm-eval is not installed in this environment",
+                        "pip install lm-eval (make install does), or set lm_eval: false")
+    if env is not None:
+        from posttrain.envs.tools import is_tool_env
+
+        if is_tool_env(env):
+            raise UserError(f"{where}.lm_eval", f"{show(config.data.env)} is a tool environment: lm-eval runs "
+                            "single replies, not episodes", "set lm_eval: false (episodes are posttrain's alone)")
+    for i, folder in enumerate(harness.tasks):
+        found = task_names(resolve(folder))
+        if not found:
+            problem = "no such folder" if found is None else "no lm-eval task config (a YAML file with `task:`) in it"
+            raise UserError(f"{where}.tasks[{i}]", f"{show(folder)}: {problem}",
+                            "give a folder of lm-eval task YAML files (local data), relative to the workspace")
+    return task_names_of([resolve(folder) for folder in harness.tasks])
+
+
+def task_names_of(folders: list[Path]) -> list[str]:
+    """The lm-eval task names `folders` define, in order, each once."""
+    return list(dict.fromkeys(name for folder in folders for name in task_names(folder) or []))
+
+
+def task_names(folder: Path) -> list[str] | None:
+    """The lm-eval task names the YAML files under `folder` define (None: no such folder).
+    Read without lm-eval: its `!function` tags and other tags are kept as plain values."""
+    import yaml
+
+    if not folder.is_dir():
+        return None
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    names = []
+    for file in sorted(folder.rglob("*.yaml")):
+        try:
+            doc = yaml.load(file.read_text(errors="replace"), Loader=Loader)  # noqa: S506 (a SafeLoader)
+        except yaml.YAMLError:
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("task"), str):
+            names.append(doc["task"])
+    return names
 
 
 def _check_export(path: Path, config: PipelineConfig) -> None:
@@ -63,6 +120,8 @@ def for_stage(stage: str, path: str | Path, config: PipelineConfig) -> None:
         model_room(path, config, env, rows)
     if stage in ("sft", "grpo"):
         launchers(path, config, here=True)
+    if stage == "evaluate" and config.evaluate.harness.lm_eval:
+        harness_tasks(path, config, environment(path, config)[0])
     if stage == "serving":
         gpu_profiles(path, config)
         heads, kv_heads, _ = model_shape(path, config)

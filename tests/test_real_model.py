@@ -173,3 +173,27 @@ def test_a_gguf_export_of_smollm2_imports_back_the_same_model(smollm2, tmp_path)
             with torch.inference_mode():
                 out.append(model.generate(**ids, max_new_tokens=12, do_sample=False)[0].tolist())
     assert replies[0] == replies[1]
+
+
+def test_lm_eval_scores_smollm2_as_posttrain_does(smollm2, tmp_path):
+    """lm-evaluation-harness on the recipe's held-out sums (chat template applied, the last number
+    read): its exact_match per prompt is posttrain's greedy verdict, within one prompt, and the
+    model gets some right (so agreeing is not 0 = 0). Issue 46, item 2."""
+    from posttrain.chat import load_tokenizer, render
+    from posttrain.config import load_config
+    from posttrain.envs import config_env
+    from posttrain.scoring import harness
+    from posttrain.scoring.evaluation import sample_models
+
+    config = load_config(REPO / "configs" / "recipes" / "smollm2-arithmetic.yaml")
+    env = config_env(config.data)
+    rows = render(env.generate(0)["heldout"][:40], load_tokenizer(str(smollm2)), env.system)
+    completions = sample_models({"base": str(smollm2)}, [r["prompt"] for r in rows], backend="transformers", n=1,
+                                temperature=1.0, max_new_tokens=16, seed=0)
+    ours = [env.verify(g, r["answer"]) for g, r in zip(completions["base"][0], rows)]
+    task = harness.write_task(tmp_path / "task", rows, config.data.model_dump(mode="json", by_alias=True), 16)
+    figures, verdicts, _ = harness.run(str(smollm2), [task], [harness.TASK], batch_size=20, seed=0,
+                                       add_bos=harness.adds_bos(str(smollm2), rows[0]["prompt"]))
+    assert sum(ours) >= 3, ours
+    assert harness.check_agreement("base", ours, verdicts) is None
+    assert figures[harness.TASK]["exact_match"] == sum(verdicts) / len(rows)

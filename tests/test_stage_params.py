@@ -135,6 +135,7 @@ CHANGES = {
     "serving.load_test.concurrency": 8, "serving.load_test.max_num_seqs": 4, "serving.load_test.max_tokens": 4,
     "evaluate.max_new_tokens": 4, "evaluate.n_samples": 128, "evaluate.temperature": 0.7, "evaluate.k": [1, 8],
     "evaluate.max_prompts": 100, "evaluate.backend": "transformers",
+    "evaluate.harness.lm_eval": True, "evaluate.harness.tasks": ["lm_tasks"], "evaluate.harness.batch_size": 8,
     "promotion.enabled": False, "promotion.model_name": "other", "promotion.metric": "evaluate.sft.greedy_accuracy",
     "promotion.higher_is_better": False, "promotion.require_significance": False,
     "promotion.export": "gguf", "promotion.export_type": "q8_0",
@@ -144,6 +145,7 @@ CHANGES = {
 }
 # What a row must change beside its field to stay valid (fields with the same readers).
 ALONG = {"data.env": {"data.options": {}},  # another environment's options are another schema's
+         "evaluate.harness.tasks": {"evaluate.harness.lm_eval": True},  # task folders run only with the harness on
          **{f"{s}.accelerate_config": {f"{s}.type": "accelerate"} for s in ("launcher", "sft.launcher",
                                                                            "grpo.second.launcher")}}
 

@@ -68,6 +68,9 @@ def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_
                 report[name]["episodes"] = episode_figures(episodes[name])
                 mlflow.log_table(episode_table(episodes[name], rows, [s["correct"] for s in samples]),
                                  artifact_file=f"episodes/{name}.json")
+        if settings.harness.lm_eval:
+            with compute("lm-eval"):
+                lm_eval_figures(config, models, rows, report, per_prompt, Path(outcomes_path).parent / "harness")
         curves = dict(report)
         final = stageid.final(config).field  # "grpo": the pipeline's result
         report["grpo"], per_prompt["grpo"] = report[final], per_prompt[final]
@@ -83,6 +86,40 @@ def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_
                                     for m, r in curves.items() for k, v in r["pass_at_k"].items()])
         plot_pass_at_k(curves, pass_at_k_png, settings.temperature, settings.n_samples)
     return report
+
+
+def lm_eval_figures(config, models: dict[str, str], rows: list[dict], report: dict, per_prompt: dict,
+                    folder: Path) -> None:
+    """lm-evaluation-harness on every model (posttrain.scoring.harness): posttrain_heldout and the
+    user's task folders; each model's figures into `report[model]["harness"]`, the task folder and
+    the figures into MLflow. HarnessMismatch when a model's two greedy accuracies differ by more
+    than a prompt."""
+    from posttrain import preflight
+    from posttrain.errors import HarnessMismatch
+    from posttrain.plugins import resolve
+    from posttrain.scoring import harness
+
+    settings = config.evaluate.harness
+    task_dir = harness.write_task(folder, rows, config.data.model_dump(mode="json", by_alias=True),
+                                  config.evaluate.max_new_tokens)
+    user_dirs = [resolve(t) for t in settings.tasks]
+    tasks = [harness.TASK, *preflight.task_names_of(user_dirs)]
+    mlflow.log_artifacts(str(task_dir), "harness/task")
+    wrong = []
+    for name, model_dir in models.items():
+        figures, verdicts, seconds = harness.run(model_dir, [task_dir, *user_dirs], tasks,
+                                                 batch_size=settings.batch_size, seed=config.seed,
+                                                 add_bos=harness.adds_bos(model_dir, rows[0]["prompt"]))
+        report[name]["harness"] = {**figures, "seconds": seconds}
+        mlflow.log_dict(figures, f"harness/{name}.json")
+        ours = per_prompt[name]["greedy"]
+        print(f"evaluate: lm-eval {name}: exact_match {figures[harness.TASK]['exact_match']:.3f} (posttrain's "
+              f"greedy accuracy {sum(ours) / len(ours):.3f}), {seconds:.0f} s", flush=True)
+        problem = harness.check_agreement(name, [bool(v) for v in ours], verdicts)
+        if problem:
+            wrong.append(problem)
+    if wrong:
+        raise HarnessMismatch(f"lm-eval and posttrain disagree: {'; '.join(wrong)} (the task lm-eval ran: {folder})")
 
 
 def gate_evaluations(models: dict[str, str]) -> dict[str, dict | None]:

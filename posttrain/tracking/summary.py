@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from posttrain.stageid import StageId, kind_of
+from posttrain.scoring.harness import TASK as HARNESS_TASK
 from posttrain.scoring.stats import format_p
 from posttrain.tracking.mlflow_runs import run_link
 
@@ -16,16 +17,24 @@ def render(evaluate: dict, serving: dict, gpu: str, run_id: str, tracking_uri: s
     """A markdown table a terminal reads as well as Prefect's artifact page does; every
     figure with its 95% interval."""
     ks = sorted({int(k) for r in evaluate.values() for k in r["pass_at_k"]})
+    harnessed = any("harness" in r for r in evaluate.values())
     prompts = {r.get("n_prompts") for r in evaluate.values()} - {None}
     lines = [f"Held-out evaluation{f' on {min(prompts):,} prompts' if len(prompts) == 1 else ''}, "
              "each figure with its 95% interval (Wilson for greedy accuracy, bootstrap over prompts for pass@k):", "",
-             "| model | greedy accuracy | " + " | ".join(f"pass@{k}" for k in ks) + " |",
-             "|---|---|" + "---|" * len(ks)]
+             "| model | greedy accuracy | " + " | ".join(f"pass@{k}" for k in ks) + " |"
+             + " lm-eval exact_match |" * harnessed,
+             "|---|---|" + "---|" * (len(ks) + harnessed)]
     for model, result in evaluate.items():
         intervals = result.get("pass_at_k_ci95", {})
         cells = [figure(result["pass_at_k"][str(k)], intervals.get(str(k))) for k in ks]
+        if harnessed:
+            cells.append(f"{result['harness'][HARNESS_TASK]['exact_match']:.3f}" if "harness" in result else "-")
         lines.append(f"| {model} | {figure(result['greedy_accuracy'], result.get('greedy_accuracy_ci95'))} | "
                      + " | ".join(cells) + " |")
+    if harnessed:
+        seconds = sum(r["harness"]["seconds"] for name, r in evaluate.items() if "harness" in r and name != "grpo")
+        lines += ["", f"lm-eval: the held-out split as lm-evaluation-harness task {HARNESS_TASK} (greedy, the "
+                      f"environment's verifier as its filter), {duration(seconds)} more than posttrain's own."]
     if serving:
         lines += ["", f"Serving on {gpu}: {serving['kv_bytes_per_token']:,.0f} KV bytes/token, "
                       f"{serving['kv_cache_tokens']:,.0f} cache tokens, {serving['max_concurrency']:,.1f} concurrent "
