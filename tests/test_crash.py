@@ -36,9 +36,8 @@ def kill_mid_grpo(ws, out) -> tuple[int, dict[int, str]]:
     killed pid and what of its process tree outlived it by 15 s (pid: command line)."""
     run = start_run(ws, out)
     try:
-        deadline = time.monotonic() + 600
         while not list(ws.glob("checkpoints/grpo/dense/*/checkpoint-*/trainer_state.json")):
-            assert run.poll() is None and time.monotonic() < deadline, out.name
+            assert run.poll() is None, out.name  # the run checkpoints or ends: no clock needed
             time.sleep(0.5)
         tree = psutil.Process(run.pid).children(recursive=True)
         commands = {p.pid: " ".join(p.cmdline()) for p in tree}
@@ -138,9 +137,8 @@ env = {{**os.environ, "DVC_STAGE": "grpo@dense", "POSTTRAIN_RUN_PID": str(os.get
 subprocess.Popen([{shell!r}, "-c", {stage_cmd!r}], env=env)
 time.sleep(120)"""], start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
         while not pid_file.is_file() or not pid_file.read_text():
-            assert time.monotonic() < deadline
+            assert run.poll() is None  # the stage writes its pid, or the run that started it ends
             time.sleep(0.1)
         stage = psutil.Process(int(pid_file.read_text()))
         assert (stage.parent().pid == run.pid) == (shell == "/bin/bash"), stage.parent().cmdline()

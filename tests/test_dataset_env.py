@@ -74,12 +74,11 @@ def test_verifiers(project, verifier, extra, completion, answer, right):
 
 
 def test_a_verifier_on_hostile_output_is_bounded(project):
-    import time
-
+    """A catastrophically backtracking reference pattern on a long reply: the match is cut at its
+    time limit (counted as a pattern timeout), and the reply scores wrong."""
     env = get_env("dataset", **{**OPTIONS, "verifier": "regex"})
-    started = time.monotonic()
     assert not env.verify("1" * 5000 + "x", r"(\d+,?)+$")
-    assert time.monotonic() - started < 5
+    assert env.timeout_counts()["pattern_timeouts"] == 1
 
 
 def test_the_files_other_columns_reach_the_rewards(project):

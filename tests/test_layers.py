@@ -115,3 +115,21 @@ def test_no_chdir_outside_a_child_process():
                 if isinstance(node, ast.Attribute) and node.attr in ("chdir", "fchdir"):
                     found.setdefault(path.relative_to(REPO).as_posix(), node.lineno)
     assert {p: line for p, line in found.items() if p not in CHDIR_ALLOWED} == {}
+
+
+def test_environments_are_imported_when_named():
+    """posttrain.envs imports no built-in environment up front (each is imported when a config
+    names it), and no environment imports scoring: the SQL sandbox is below both."""
+    edges, known = graph(), modules()
+    builtins = {name for name in known if name.startswith("posttrain.envs.")} - {"posttrain.envs.base"}
+    assert edges["posttrain.envs"] & builtins == set()
+    envs = {name: targets for name, targets in edges.items() if name.startswith("posttrain.envs")}
+    assert {name: sorted(t for t in targets if t.startswith("posttrain.scoring")) for name, targets in envs.items()
+            if any(t.startswith("posttrain.scoring") for t in targets)} == {}
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import sys, posttrain.envs as e; e.env_factory('arithmetic'); "
+                           "print(sorted(m for m in sys.modules if m.startswith('posttrain.envs.')))"],
+                          capture_output=True, text=True, check=True, cwd=REPO)
+    assert done.stdout.split() == ["['posttrain.envs.arithmetic',", "'posttrain.envs.base']"]

@@ -1,7 +1,6 @@
 """Stage smoke tests: the real pipeline (TRL on the tiny model, MLflow, DVC) via `dvc repro`."""
 
 import json
-import time
 
 import mlflow
 import pytest
@@ -49,10 +48,9 @@ def test_every_stage_writes_its_metrics(reproduced):
 
 
 def test_second_repro_retrains_nothing(reproduced):
-    start = time.perf_counter()
     done = sh("dvc", "repro", cwd=reproduced)
     assert "Data and pipelines are up to date" in done.stdout + done.stderr
-    assert time.perf_counter() - start < 30
+    assert "Running stage" not in done.stdout + done.stderr  # no stage command ran
 
 
 def test_each_stage_logs_a_run_with_trl_curves(reproduced):

@@ -194,7 +194,7 @@ def missing_deps(root: Path = REPO) -> list[str]:
 
 # --- the walk itself: one case per line -------------------------------------------------
 @pytest.mark.parametrize("stage, path, reached", [
-    ("sft", "posttrain/scoring/sandbox.py", True),            # stages/sft -> envs -> envs/sql -> sandbox
+    ("sft", "posttrain/sandbox.py", True),            # stages/sft -> envs -> envs/sql -> sandbox
     ("sft", "posttrain/scoring/evaluation.py", True),         # a top-level import of the stage module
     ("grpo", "posttrain/config.py", True),            # every stage loads the config
     ("grpo", "posttrain/training/checkpoints.py", True),       # `from posttrain import checkpoints`

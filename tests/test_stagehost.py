@@ -124,9 +124,8 @@ def test_a_stage_ends_with_its_client(workspace):
         client = subprocess.Popen([sys.executable, "-m", "posttrain", *stage_command(ws, "sft")], cwd=ws, env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            deadline = time.monotonic() + 120
             while not host.children():
-                assert client.poll() is None and time.monotonic() < deadline
+                assert client.poll() is None  # the host forks the stage, or the client ends
                 time.sleep(0.1)
             fork = host.children()[0]
             time.sleep(0.5)  # loading, training: the SFT stage takes seconds more

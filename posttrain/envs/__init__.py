@@ -12,27 +12,29 @@ Reward channels (`posttrain.scoring.rewards`) are built on an environment's pars
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 from pydantic import BaseModel
 
-from posttrain.envs.arithmetic import ArithmeticEnv
 from posttrain.envs.base import EnvOptions, Environment, missing_methods
-from posttrain.envs.calculator import CalculatorEnv
-from posttrain.envs.dataset import DatasetEnv
-from posttrain.envs.retrieval import RetrievalEnv
-from posttrain.envs.sql import SQLEnv
-from posttrain.envs.sql_tools import SQLToolsEnv
 from posttrain.plugins import PluginError, lookup
 from posttrain.yamlfile import show
 
-ENVIRONMENTS: dict[str, type] = {"arithmetic": ArithmeticEnv, "sql": SQLEnv, "dataset": DatasetEnv,
-                                 "calculator": CalculatorEnv, "sql_tools": SQLToolsEnv, "retrieval": RetrievalEnv}
+# The built-ins by name, each imported when a config names it: building the arithmetic
+# environment imports neither the SQL sandbox nor the retrieval index.
+ENVIRONMENTS: dict[str, str] = {
+    "arithmetic": "posttrain.envs.arithmetic:ArithmeticEnv", "sql": "posttrain.envs.sql:SQLEnv",
+    "dataset": "posttrain.envs.dataset:DatasetEnv", "calculator": "posttrain.envs.calculator:CalculatorEnv",
+    "sql_tools": "posttrain.envs.sql_tools:SQLToolsEnv", "retrieval": "posttrain.envs.retrieval:RetrievalEnv"}
 ENTRY_POINT_GROUP = "posttrain.envs"
 
 
 def env_factory(name: str):
     """What `data.env` names: a built-in, an installed entry point, or an import path.
     PluginError (one line, with the fix) when it names nothing that loads."""
+    if isinstance(name, str) and name in ENVIRONMENTS:
+        module, _, attribute = ENVIRONMENTS[name].partition(":")
+        return getattr(importlib.import_module(module), attribute)
     return lookup(name, ENVIRONMENTS, "environment", "package.module:factory (e.g. custom.mytask:make_env)",
                   group=ENTRY_POINT_GROUP)
 

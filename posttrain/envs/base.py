@@ -15,7 +15,7 @@ Required:
   `correctness` channel, the gate, evaluation, pass@k). The SFT targets must verify:
   the format contract refuses SFT before compute otherwise.
 Neither `parse` nor `verify` does I/O or keeps state, so rewards built on them stay pure
-(a task that must execute model output does it sandboxed: `posttrain.scoring.sandbox`).
+(a task that must execute model output does it sandboxed: `posttrain.sandbox`).
 
 Optional:
 - `name` (str): how messages name it (default: what `data.env` says).

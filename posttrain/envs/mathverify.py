@@ -3,7 +3,7 @@
 math-verify bounds its own work with SIGALRM, which only a main thread may set (a Prefect
 task runs in a worker thread) and which cannot stop one long C call: `9^{9^{9^{9}}}` asks
 sympy for a number of 370 million digits. So every parse and comparison runs in a worker
-process (posttrain.scoring.sandbox.Worker, reused from call to call) that is killed when a call
+process (posttrain.sandbox.Worker, reused from call to call) that is killed when a call
 runs past MATH_TIMEOUT_S, and text nested deeper than MAX_LATEX_DEPTH is not sent at all.
 A call over either limit raises MathLimit: the dataset environment scores the completion
 unparseable and counts it.
@@ -66,7 +66,7 @@ def _worker():
     """This process's math-verify worker (a forked child starts its own)."""
     import atexit
 
-    from posttrain.scoring.sandbox import Worker
+    from posttrain.sandbox import Worker
 
     # -I: neither the environment nor the current folder decides what the worker imports
     worker = Worker([sys.executable, "-I", __file__])
@@ -82,7 +82,7 @@ def _serve(fd: int) -> None:
     import resource
     import signal
 
-    from posttrain.scoring.sandbox import serve
+    from posttrain.sandbox import serve
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's; the worker ends on EOF
     try:

@@ -6,7 +6,7 @@ thresholds, each with a gold query. Nothing is downloaded.
 
 A completion is correct when it runs and returns the gold query's rows: compared as
 multisets, and in order only when the gold query orders (ages and salaries are unique,
-so an ordering has one right answer). Queries run in `posttrain.scoring.sandbox`: read-only,
+so an ordering has one right answer). Queries run in `posttrain.sandbox`: read-only,
 one statement, a time limit; errors and timeouts are simply wrong.
 """
 
@@ -26,7 +26,7 @@ from pydantic import Field, field_validator
 
 from posttrain.envs.base import EnvOptions, Exploit
 from posttrain.errors import OptionError, invalid
-from posttrain.scoring.sandbox import QueryError, run_query
+from posttrain.sandbox import QueryError, run_query
 
 DEPTS = ["sales", "ops", "hr", "it", "legal", "ads"]
 NAMES = ["ann", "bob", "cy", "dee", "eve", "fay", "gus", "hal", "ivy", "jo", "kai", "lu", "max", "ned", "oli",

@@ -1,7 +1,7 @@
 """Text-to-SQL with a query tool: the `sql` task, where the model may look at the data first.
 
 The episode's tool `query(sql)` runs a read-only query in the same sandbox that grades
-(posttrain.scoring.sandbox: one statement, a time limit, a row cap, an authorizer that
+(posttrain.sandbox: one statement, a time limit, a row cap, an authorizer that
 refuses writes and ATTACH) and shows the first rows; the model then replies with its
 query, graded by execution against the gold query's rows as in `sql`. Each row's gold
 episode runs the gold query once, reads its rows, and answers with it.
@@ -14,7 +14,7 @@ import functools
 from pydantic import Field
 
 from posttrain.envs.sql import SQLEnv, SQLOptions
-from posttrain.scoring.sandbox import QueryError, run_query
+from posttrain.sandbox import QueryError, run_query
 
 SHOWN_ROWS = 20
 
