@@ -34,7 +34,9 @@ class ArithmeticOptions(EnvOptions):
     operand_max: int = Field(49, ge=0, le=999, description="Operands run 0..operand_max (<= 1,000,000 rows per op).")
     ops: tuple[Literal["+", "-", "*"], ...] = Field(("+",), min_length=1, description="Operators, each once.")
     heldout_size: int = Field(500, ge=0, description="Rows held out for evaluation; the rest train.")
-    completion_format: str = Field("{answer}", max_length=200, description="SFT target; `{answer}` is the answer.")
+    completion_format: str = Field("{answer}", max_length=200, description="SFT target; `{answer}` is the answer, "
+                                   "and it may restate the question with {a}, {op} and {b} (e.g. "
+                                   "`{a} {op} {b} = {answer}`, read with answer: last_number).")
     prompt_format: str = Field("{a}{op}{b}=", max_length=500, description="The question; names {a}, {op} and {b}, "
                                "e.g. `What is {a} {op} {b}?` for an instruct model.")
     answer: Literal["exact", "last_number"] = Field("exact", description="How a completion is read: exact (the "
@@ -61,9 +63,11 @@ class ArithmeticOptions(EnvOptions):
 
     @field_validator("completion_format")
     @classmethod
-    def _only_the_answer(cls, fmt):
-        if _format_fields(fmt) != {"answer"}:
-            raise invalid("must name the field {answer} and no other", "use only {answer}; write literal braces as {{ }}")
+    def _the_answer(cls, fmt):
+        fields = _format_fields(fmt)
+        if fields is None or "answer" not in fields or not fields <= PROMPT_FIELDS | {"answer"}:
+            raise invalid("must name the field {answer}, and no other than {a}, {op} and {b}",
+                          "e.g. `{answer}` or `{a} {op} {b} = {answer}`; write literal braces as {{ }}")
         return fmt
 
     @field_validator("prompt_format")
@@ -109,7 +113,7 @@ class ArithmeticEnv:
     def row(self, a: int, b: int, op: str) -> dict:
         answer = str(_OPS[op](a, b))
         return {"prompt": self.prompt_format.format(a=a, op=op, b=b),
-                "completion": self.completion_format.format(answer=answer), "answer": answer}
+                "completion": self.completion_format.format(a=a, op=op, b=b, answer=answer), "answer": answer}
 
     def check_row(self, row: dict) -> str | None:
         """Why an incoming row is not a true `a op b` fact in this prompt format, or None (posttrain.ingest)."""
