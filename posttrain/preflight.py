@@ -57,18 +57,15 @@ def harness_tasks(path: Path, config: PipelineConfig, env) -> list[str]:
         if is_tool_env(env):
             raise UserError(f"{where}.lm_eval", f"{show(config.data.env)} is a tool environment: lm-eval runs "
                             "single replies, not episodes", "set lm_eval: false (episodes are posttrain's alone)")
+    names = []
     for i, folder in enumerate(harness.tasks):
         found = task_names(resolve(folder))
         if not found:
             problem = "no such folder" if found is None else "no lm-eval task config (a YAML file with `task:`) in it"
             raise UserError(f"{where}.tasks[{i}]", f"{show(folder)}: {problem}",
                             "give a folder of lm-eval task YAML files (local data), relative to the workspace")
-    return task_names_of([resolve(folder) for folder in harness.tasks])
-
-
-def task_names_of(folders: list[Path]) -> list[str]:
-    """The lm-eval task names `folders` define, in order, each once."""
-    return list(dict.fromkeys(name for folder in folders for name in task_names(folder) or []))
+        names += found
+    return list(dict.fromkeys(names))
 
 
 def task_names(folder: Path) -> list[str] | None:
@@ -121,7 +118,9 @@ def for_stage(stage: str, path: str | Path, config: PipelineConfig) -> None:
     if stage in ("sft", "grpo"):
         launchers(path, config, here=True)
     if stage == "evaluate" and config.evaluate.harness.lm_eval:
-        harness_tasks(path, config, environment(path, config)[0])
+        from posttrain.envs import config_env
+
+        harness_tasks(path, config, config_env(config.data))  # the environment's kind: no splits generated
     if stage == "serving":
         gpu_profiles(path, config)
         heads, kv_heads, _ = model_shape(path, config)

@@ -103,7 +103,7 @@ def lm_eval_figures(config, models: dict[str, str], rows: list[dict], report: di
     task_dir = harness.write_task(folder, rows, config.data.model_dump(mode="json", by_alias=True),
                                   config.evaluate.max_new_tokens)
     user_dirs = [resolve(t) for t in settings.tasks]
-    tasks = [harness.TASK, *preflight.task_names_of(user_dirs)]
+    tasks = list(dict.fromkeys([harness.TASK, *(n for d in user_dirs for n in preflight.task_names(d) or [])]))
     mlflow.log_artifacts(str(task_dir), "harness/task")
     wrong = []
     for name, model_dir in models.items():
