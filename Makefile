@@ -77,12 +77,14 @@ bench-zero: smollm2
 	$(BIN)/python bench/real_model.py --config configs/recipes/smollm2-arithmetic-zero.yaml --root $(or $(ROOT),runs/bench-zero) --records bench/results/grpo_zero.json
 
 # GRPO after SFT, sized to the warmup's headroom: the gain over its own SFT model, seeds 0-2 (issue 44, item 2)
+STAGES = $(or $(ROOT),runs/bench-stages)
 bench-headroom: smollm2
-	$(BIN)/python bench/real_model.py --config configs/recipes/smollm2-arithmetic-headroom.yaml --root $(or $(ROOT),runs/bench-headroom) --records bench/results/grpo_headroom.json
+	$(BIN)/python bench/real_model.py --config configs/recipes/smollm2-arithmetic-headroom.yaml --root $(STAGES)/sft_grpo --tracking-uri sqlite:///$(abspath $(STAGES))/mlflow.db --records bench/results/grpo_headroom.json
 
-# what each stage buys: base / SFT only / GRPO only / SFT then GRPO at one budget of samples seen, seeds 0-2 (hours)
+# what each stage buys: base / SFT only / GRPO only / SFT then GRPO at one budget of samples seen, seeds 0-2 (hours);
+# its SFT-then-GRPO arm is the headroom recipe's bench seed: the two read the same workspaces
 bench-stages: smollm2
-	$(BIN)/python bench/stage_ablation.py $(if $(ROOT),--root $(ROOT))
+	$(BIN)/python bench/stage_ablation.py --root $(STAGES)
 
 # what the reward audit adds to `posttrain check` (and so to `run`): on against `audit: off`, pair by pair
 bench-audit: install

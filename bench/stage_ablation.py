@@ -2,23 +2,26 @@
 each trained arm at the same budget of training samples seen, over seeds.
 
 A *sample seen* is one training sequence: an SFT row (its gold completion) or a GRPO
-completion (sampled and scored). With budget N: SFT only trains N / sft_batch steps, GRPO
-only N / grpo_batch steps from the base model (`sft: off`), SFT then GRPO half of each. The
-SFT-then-GRPO arm is `--config` with the steps set; the GRPO-only arm is `--zero-config`
-(a GRPO stage that starts from the base model: its rewards must teach the format the SFT
-targets teach); the SFT-only arm is `--config`'s warmup with its GRPO stage left with no
-prompts (it passes the SFT model on, untrained). Every arm is a whole `posttrain run` in its
-own workspace (the Prefect flow, the gates, evaluate on the held-out split); the base model
-is each run's `base`, the same prompts everywhere.
+completion (sampled and scored). The SFT-then-GRPO arm is `--config` as shipped (by default
+the headroom recipe: a warmup that stops at its target, then the GRPO stage), so its workspace
+is also that recipe's bench seed (`make bench-headroom` reads it with `--root <root>/sft_grpo`).
+It runs first; the samples it saw (SFT steps x batch + GRPO steps x batch, world size
+included) are the budget the two other arms get: SFT only trains budget / sft_batch steps
+(`--config`'s warmup with no `stop_when`, its GRPO stage left with no prompts: it passes the
+SFT model on, untrained), GRPO only budget / grpo_batch steps from the base model
+(`--zero-config`: a GRPO stage that starts from the base model; its rewards must teach what
+the SFT targets teach). Every arm is a whole `posttrain run` in its own workspace (the Prefect
+flow, the gates, evaluate on the held-out split); the base model is each run's `base`, the
+same prompts everywhere. The two extra arms skip the serving checks (they measure learning).
 
     make smollm2 && make bench-stages                                  # seeds 0-2, hours on 2 cores
-    .venv/bin/python bench/stage_ablation.py --seeds 0 --budget 4800 --root /tmp/stages
+    .venv/bin/python bench/stage_ablation.py --seeds 0 --root /tmp/stages
 
 Per seed and arm it records held-out greedy accuracy with its Wilson interval, the format
 rate, pass@k with its interval, exact McNemar p against the base model and against every
 other arm (paired on the same prompts), training seconds (`train()` of the arm's stages),
-machine and commit, into `bench/results/stage_ablation.json` (`--out`); the table to stdout.
-A finished arm's workspace is read, not rerun.
+the budget, machine and commit, into `bench/results/stage_ablation.json` (`--out`) after
+each seed; the table to stdout. A finished arm's workspace is read, not rerun.
 """
 
 from __future__ import annotations
@@ -47,28 +50,38 @@ def stage_batch(trl: dict, default: int) -> int:
     return int(trl.get("per_device_train_batch_size", default))
 
 
+def samples_seen(ws: Path, config: dict) -> int:
+    """Training samples the workspace's run saw: SFT rows and GRPO completions, every rank's."""
+    sft = read_json(ws / "metrics" / "sft.json")
+    seen = 0 if sft.get("off") else int(sft["steps"] * sft.get("world_size", 1) * stage_batch(config["sft"]["trl"], 8))
+    for name, stage in config["grpo"].items():
+        grpo = read_json(ws / "metrics" / "grpo" / f"{name}.json")
+        if not grpo.get("skipped"):
+            seen += int(grpo["steps"] * grpo.get("world_size", 1) * stage_batch(stage["trl"], 8))
+    return seen
+
+
 def arm_configs(config: dict, zero: dict, budget: int) -> dict[str, dict]:
-    """The three trained arms' configs at `budget` samples seen each."""
+    """The SFT-only and GRPO-only arms' configs at `budget` samples seen each."""
     sft_batch = stage_batch(config["sft"]["trl"], 8)
     name, stage = next(iter(config["grpo"].items()))
-    grpo_batch = stage_batch(stage["trl"], 8)
     zero_name, zero_stage = next(iter(zero["grpo"].items()))
     zero_batch = stage_batch(zero_stage["trl"], 8)
+    quiet = {"vllm_check": {"enabled": False}, "load_test": {"enabled": False}}
 
     def steps(section: dict, count: int, batch: int) -> dict:
         return {**section, "trl": {**section["trl"], "max_steps": max(1, count // batch)}}
 
     sft_only = copy.deepcopy(config)
-    sft_only["sft"] = steps(config["sft"], budget, sft_batch)
+    sft_only["sft"] = {**steps(config["sft"], budget, sft_batch), "stop_when": None}
     # no prompt left for one step: the stage passes the SFT model on untrained (and says so)
     sft_only["grpo"] = {name: {**stage, "pass_rate_filter": {**stage.get("pass_rate_filter", {}), "max_prompts": 1},
                                "audit": "off"}}
-    both = copy.deepcopy(config)
-    both["sft"] = steps(config["sft"], budget // 2, sft_batch)
-    both["grpo"] = {name: steps(stage, budget // 2, grpo_batch)}
     grpo_only = copy.deepcopy(zero)
     grpo_only["grpo"] = {zero_name: steps(zero_stage, budget, zero_batch)}
-    return {"sft": sft_only, "grpo": grpo_only, "sft+grpo": both}
+    for arm in (sft_only, grpo_only):
+        arm["serving"] = {**arm.get("serving", {}), **quiet}
+    return {"sft": sft_only, "grpo": grpo_only}
 
 
 def arm_outcomes(ws: Path, arm: str) -> tuple[dict, dict, float]:
@@ -80,23 +93,23 @@ def arm_outcomes(ws: Path, arm: str) -> tuple[dict, dict, float]:
     return evaluate[model], outcomes[model], seconds
 
 
-def seed_records(root: Path, configs: dict[str, dict], seed: int, uri: str, k: int, resamples: int,
+def seed_records(root: Path, config: dict, zero: dict, seed: int, uri: str, k: int, resamples: int,
                  where: dict) -> list[dict]:
     """One record per arm of `seed`: its figures and its paired tests against every other arm."""
-    found = {}
-    for arm, config in configs.items():
-        ws = run_seed(root / arm.replace("+", "_"), config, seed, uri)
-        found[arm] = arm_outcomes(ws, arm)
-        base = read_json(ws / "metrics" / "evaluate.json")["base"], read_json(ws / "reports" /
-                                                                               "heldout_outcomes.json")["base"]
-        found.setdefault("base", (*base, 0.0))
+    ws = run_seed(root / "sft_grpo", config, seed, uri)
+    budget = samples_seen(ws, config)
+    found = {"sft+grpo": arm_outcomes(ws, "sft+grpo")}
+    evaluate, outcomes = read_json(ws / "metrics" / "evaluate.json"), read_json(ws / "reports" / "heldout_outcomes.json")
+    found["base"] = (evaluate["base"], outcomes["base"], 0.0)
+    for arm, arm_config in arm_configs(config, zero, budget).items():
+        found[arm] = arm_outcomes(run_seed(root / arm, arm_config, seed, uri), arm)
     records = []
     for arm in ARMS:
         figures, _, seconds = found[arm]
         record = {"seed": seed, "arm": arm, "greedy": figures["greedy_accuracy"],
                   "ci": figures["greedy_accuracy_ci95"], "format_rate": figures.get("format_rate"),
                   f"pass_at_{k}": figures["pass_at_k"][str(k)], f"pass_at_{k}_ci": figures["pass_at_k_ci95"][str(k)],
-                  "train_seconds": seconds, **where}
+                  "train_seconds": seconds, "budget_samples": 0 if arm == "base" else budget, **where}
         for other in ARMS:
             if other != arm:
                 test = stats.compare(found[other][1], found[arm][1], "greedy_accuracy", resamples=resamples, seed=seed)
@@ -120,11 +133,10 @@ def table(records: list[dict], k: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(REPO / "configs" / "recipes" / "smollm2-arithmetic.yaml"),
-                        help="the SFT-then-GRPO recipe (its warmup is the SFT-only arm)")
+    parser.add_argument("--config", default=str(REPO / "configs" / "recipes" / "smollm2-arithmetic-headroom.yaml"),
+                        help="the SFT-then-GRPO recipe, run as shipped (its warmup is the SFT-only arm)")
     parser.add_argument("--zero-config", default=str(REPO / "configs" / "recipes" / "smollm2-arithmetic-zero.yaml"),
                         help="the GRPO-only recipe (sft: off, the first stage from: base)")
-    parser.add_argument("--budget", type=int, default=4800, help="training samples seen by each trained arm")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--root", default=str(REPO / "runs" / "bench-stages"))
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "stage_ablation.json"))
@@ -140,18 +152,20 @@ def main() -> None:
     k = max(config.get("evaluate", {}).get("k", [8]))
     resamples = config.get("stats", {}).get("bootstrap_resamples", 2000)
     commit = source_commit()
-    where = {"machine": machine(), "commit": commit, "budget_samples": args.budget}
+    where = {"machine": machine(), "commit": commit}
     out = Path(args.out)
-    records = [r for r in (read_json(out).get("records", []) if out.is_file() else [])
-               if r["seed"] not in args.seeds or r.get("budget_samples") != args.budget]
+    records = [r for r in (read_json(out).get("records", []) if out.is_file() else []) if r["seed"] not in args.seeds]
     for seed in args.seeds:
-        found = seed_records(root, arm_configs(config, zero, args.budget), seed, uri, k, resamples, where)
+        found = seed_records(root, config, zero, seed, uri, k, resamples, where)
         records = sorted(records + found, key=lambda r: (r["seed"], ARMS.index(r["arm"])))
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"budget": "training samples seen (SFT rows, GRPO completions)",
+        out.write_text(json.dumps({"config": str(Path(args.config).relative_to(REPO)) if Path(args.config).resolve()
+                                   .is_relative_to(REPO) else args.config,
+                                   "budget": "training samples seen by each trained arm (SFT rows, GRPO completions): "
+                                             "what the SFT-then-GRPO recipe saw as shipped",
                                    "records": records}, indent=2) + "\n")
         print(table(found, k), flush=True)
-    print(f"\nMachine: {where['machine']}; commit {commit}; budget {args.budget} samples per trained arm\n")
+    print(f"\nMachine: {where['machine']}; commit {commit}\n")
     print(table(records, k))
 
 
