@@ -42,6 +42,7 @@ test-fast: install
 docs: install
 	$(BIN)/python -m posttrain.config_reference > docs/config.md.new
 	mv docs/config.md.new docs/config.md
+	$(BIN)/python -m posttrain.training.trl_fields   # TRL's option fields, for `check` (after a TRL upgrade)
 
 # the last run's wall time: the stages' own compute against everything else
 bench: install

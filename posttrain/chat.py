@@ -32,6 +32,75 @@ def chat_template(model_dir: str | Path) -> str | None:
     return None
 
 
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def render_without_transformers(model_dir: str | Path, messages: list[dict], tools: list | None = None) -> str | None:
+    """The prompt `tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True)`
+    renders, by the same Jinja environment transformers compiles templates in (sandboxed,
+    trim_blocks, lstrip_blocks, loopcontrols, its `tojson`, `raise_exception`, `strftime_now`,
+    the named special tokens): `posttrain check` measures prompts without importing transformers
+    and torch (seven seconds). None where it cannot tell (no template, any error): ask transformers."""
+    template = chat_template(model_dir)
+    if template is None:
+        return None
+    try:
+        special = _special_tokens(str(model_dir))
+        return _compiled(template).render(messages=messages, tools=tools or None, documents=None,
+                                          add_generation_prompt=True, **special)
+    except Exception:  # the template's own refusal, or what this environment lacks: transformers says which
+        return None
+
+
+@functools.lru_cache(maxsize=4)
+def _special_tokens(model_dir: str) -> dict[str, str]:
+    found = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the second wins, as transformers merges
+        path = Path(model_dir) / name
+        if path.is_file():
+            data = json.loads(path.read_text())
+            for key in SPECIAL_TOKENS:
+                value = data.get(key)
+                value = value.get("content") if isinstance(value, dict) else value
+                if isinstance(value, str):
+                    found[key] = value
+    return found
+
+
+@functools.lru_cache(maxsize=4)
+def _compiled(template: str):
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):  # `{% generation %}...{% endgeneration %}`: transformers' mask markers
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format):
+        from datetime import datetime
+
+        return datetime.now().strftime(format)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    return env.from_string(template)
+
+
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(model_dir: str):
     """The model's tokenizer, loaded once per process (the config check and the prepare

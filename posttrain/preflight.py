@@ -369,11 +369,15 @@ def _longest_rendered(config: PipelineConfig, system: str | None, rows: dict[str
                       tools: list | None = None) -> int:
     """Characters of the longest prompt once the chat template wraps it (an upper bound
     of its tokens, as for plain prompts)."""
-    from posttrain.chat import load_tokenizer, render
+    from posttrain.chat import conversation, load_tokenizer, render, render_without_transformers
 
     longest = max((r for split in rows.values() for r in split), key=lambda r: len(r["prompt"]))
+    model_dir = str(resolve(config.model.path).resolve())
+    text = render_without_transformers(model_dir, conversation(longest["prompt"], system), tools)
+    if text is not None:
+        return len(text)
     try:
-        tokenizer = load_tokenizer(str(resolve(config.model.path).resolve()))
+        tokenizer = load_tokenizer(model_dir)
         return len(render([longest], tokenizer, system, tools)[0]["prompt"])
     except Exception as err:  # the tokenizer's or its template's own reason (a system turn it refuses, ...)
         raise UserError(f"{config.model.path}: chat template", f"cannot render a prompt: {type(err).__name__}: "

@@ -57,15 +57,6 @@ def model_config(config) -> dict:
             "tie_word_embeddings": True}
 
 
-def trl_default(cls_name: str, key: str):
-    """TRL's own default of option `key` of SFTConfig / GRPOConfig."""
-    import trl
-
-    cls = getattr(trl, cls_name)
-    field = next(f for f in dataclasses.fields(cls) if f.name == key)
-    return field.default_factory() if field.default is dataclasses.MISSING else field.default
-
-
 def lora_modules(model: dict, peft: dict, where: str) -> frozenset[str]:
     """The decoder linears a LoRA config adapts: `target_modules` as peft matches it (a
     name matches a module whose name is it or ends with `.name`; a string is a regex that
@@ -112,7 +103,9 @@ PLANNED_COUNTS = ("per_device_train_batch_size", "gradient_accumulation_steps", 
 def trl_option(trl: dict, cls_name: str, key: str, *, where: str):
     """Option `key` of a stage's `trl:` block, TRL's default where it is silent; a count the
     plan multiplies beyond LARGEST_DIMENSION is a `UserError` at `where.key`."""
-    value = trl[key] if key in trl else trl_default(cls_name, key)
+    from posttrain.training import trl_fields
+
+    value = trl[key] if key in trl else trl_fields.default(cls_name, key)
     if key in PLANNED_COUNTS and isinstance(value, int) and value > LARGEST_DIMENSION:
         raise UserError(f"{where}.{key}", f"{show(value)} is more than any training step holds (at most "
                         f"{LARGEST_DIMENSION:,})", "give the count the stage needs")
@@ -122,9 +115,7 @@ def trl_option(trl: dict, cls_name: str, key: str, *, where: str):
 def stage_setup(config, stage: str, *, prompt_chars: int, gpu: bool, where: str) -> Setup:
     """The `Setup` training stage `stage` runs (module docstring); `gpu`: on a GPU (bf16 by
     TRL's default) rather than this machine's CPU (fp32)."""
-    import trl as trl_package
-
-    from posttrain.training.trl_bridge import cpu_has_bf16, trl_schema
+    from posttrain.training.trl_bridge import cpu_has_bf16, options_schema
     from posttrain.yamlfile import schema_error
     from pydantic import ValidationError
 
@@ -135,7 +126,7 @@ def stage_setup(config, stage: str, *, prompt_chars: int, gpu: bool, where: str)
     if trl.get("bf16") == "auto":  # as the stage resolves it where it will run (trl_bridge.resolve_auto)
         trl["bf16"] = gpu or cpu_has_bf16()
     try:  # the options' types, as the stage will build them (a bad value is one line here too)
-        trl_schema(getattr(trl_package, cls)).model_validate(trl)
+        options_schema(cls).model_validate(trl)
     except ValidationError as err:
         raise schema_error(file, err, (*field.split("."), "trl")) from None
     option = functools.partial(trl_option, trl, cls, where=f"{file}: {field}.trl")
@@ -355,17 +346,14 @@ def with_cheap_savings(config, stage: str, trl: str, base: Setup, changes: list[
 def accepted(config, stage: str, batch: int, steps: int, path: Path) -> bool:
     """Whether TRL accepts the stage's `trl:` block with this micro-batch and accumulation
     (GRPO: whole groups of `num_generations` per generation batch, at the launcher's world size)."""
-    from posttrain.training.trl_bridge import build_trl_config, grpo_trl_options, world_sized
+    from posttrain.training.trl_bridge import check_trl_config, grpo_trl_options
 
     if stage == "sft":
         return True
-    from trl import GRPOConfig
-
-    section = config.stage_section(stage)
+    section, launcher = config.stage_section(stage), config.stage_launcher(stage)
     options = {**grpo_trl_options(section), "per_device_train_batch_size": batch, "gradient_accumulation_steps": steps}
     try:
-        build_trl_config(f"{path}: {stage}", world_sized(GRPOConfig, config.stage_launcher(stage)), options,
-                         output_dir="/nonexistent/posttrain-fit")
+        check_trl_config(f"{path}: {stage}", "GRPOConfig", options, launcher.processes * launcher.nodes)
     except UserError:
         return False
     return True

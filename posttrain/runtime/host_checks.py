@@ -67,7 +67,15 @@ def rdzv_endpoint(launcher, where: str) -> tuple[str, str]:
     return host, port
 
 
+def gpu_driver_here() -> bool:
+    """Whether a GPU driver is loaded here (NVIDIA's or ROCm's), from the files it makes:
+    without one torch finds no CUDA device, so there is no need to import it (two seconds)."""
+    return any(Path(p).exists() for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd"))
+
+
 def cuda_devices() -> int:
+    if not gpu_driver_here():
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

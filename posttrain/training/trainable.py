@@ -13,6 +13,7 @@ import fnmatch
 import functools
 import json
 import re
+from pathlib import Path
 
 from posttrain.errors import UserError
 
@@ -66,6 +67,19 @@ def parameter_names(config) -> tuple[list[str], int]:
     device from its config: no weights are read."""
     sizes, layers = parameter_sizes(config)
     return list(sizes), layers
+
+
+def decoder_layers(config) -> int | None:
+    """The base model's decoder layers from its config.json (the tiny model's from the config),
+    without building it; None where config.json does not say `num_hidden_layers`."""
+    path, _ = _model_key(config)
+    if path is None:
+        return config.model.tiny.num_layers
+    try:
+        layers = json.loads((Path(path) / "config.json").read_text()).get("num_hidden_layers")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return layers if isinstance(layers, int) and not isinstance(layers, bool) else None
 
 
 def parameter_sizes(config) -> tuple[dict[str, int], int]:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from posttrain.config import SEED_MAX, GRPOStage, PipelineConfig
 from posttrain.errors import UserError
 from posttrain.stageid import StageId, training_stages
+from posttrain.training import trl_fields
 from posttrain.yamlfile import SHOWN_CHARS, schema_error
 
 # TRL options posttrain sets itself from dvc.yaml paths and tracking; users set them elsewhere.
@@ -27,16 +28,15 @@ OWNED_TRL_KEYS = {"output_dir": "set by dvc.yaml", "report_to": "posttrain alway
 
 
 def check_trl_blocks(path: Path, config: PipelineConfig) -> None:
-    """Build SFTConfig / GRPOConfig from the `trl:` blocks, so TRL validates them now, and
-    the LoRA configs from the `peft:` blocks."""
-    from trl import GRPOConfig, SFTConfig
-
+    """Check the `trl:` blocks as building SFTConfig / GRPOConfig would (`check_trl_config`),
+    and build the LoRA configs from the `peft:` blocks."""
     check_optimizers(path, config)
-    blocks = [("sft", SFTConfig, config.sft.trl)] * config.sft.enabled
-    blocks += [(stage.field, world_sized(GRPOConfig, config.stage_launcher(stage)), grpo_trl_options(config.grpo[stage.name]))
+    blocks = [("sft", "SFTConfig", config.sft.trl, 1)] * config.sft.enabled
+    blocks += [(stage.field, "GRPOConfig", grpo_trl_options(config.grpo[stage.name]),
+                config.stage_launcher(stage).processes * config.stage_launcher(stage).nodes)
                for stage in map(StageId.grpo, config.grpo)]
-    for field, cls, options in blocks:
-        build_trl_config(f"{path}: {field}.trl", cls, options, output_dir="/nonexistent/posttrain-check")
+    for field, cls_name, options, world in blocks:
+        check_trl_config(f"{path}: {field}.trl", cls_name, options, world)
     for stage in training_stages(config):
         options = config.stage_section(stage).peft
         if options is not None:
@@ -66,21 +66,17 @@ def check_trainable(path: Path, config: PipelineConfig) -> None:
     stages = [(stage, config.stage_section(stage).trainable) for stage in training_stages(config)]
     stages = [(stage, spec) for stage, spec in stages if spec is not None]
     if stages:
-        names, layers = trainable.parameter_names(config)
+        layers = trainable.decoder_layers(config)  # top_layers alone need no model built
+        names, layers = trainable.parameter_names(config) if layers is None or any(
+            spec.patterns for _, spec in stages) else ([], layers)
         for stage, spec in stages:
             trainable.check(f"{path}: {stage.field}.trainable", spec, names, layers)
 
 
-def world_sized(cls, launcher):
-    """`cls` as it validates on the launcher's processes x nodes ranks: TRL checks GRPO's
-    batches against the world size (whole groups of `num_generations` per global batch),
-    which is 1 in the process that checks the config."""
-    world = launcher.processes * launcher.nodes
-    return cls if world == 1 else _with_world_size(cls, world)
-
-
 @functools.cache
 def _with_world_size(cls, world: int):
+    """`cls` as it validates on `world` ranks: TRL checks GRPO's batches against the world size
+    (whole groups of `num_generations` per global batch), which is 1 in the process that checks."""
     return type(cls.__name__, (cls,), {"world_size": property(lambda self: world), "__module__": cls.__module__})
 
 
@@ -149,22 +145,62 @@ def resolve_auto(options: dict) -> dict:
     return {**options, "bf16": torch.cuda.is_available() or cpu_has_bf16()}
 
 
-def build_trl_config(where: str, cls, options: dict, **owned):
-    """`cls(**defaults, **options, **owned)`; unknown or invalid options become `UserError`."""
-    options = resolve_auto(options)
-    known = {f.name for f in dataclasses.fields(cls)}
+def check_trl_config(where: str, cls_name: str, options: dict, world: int) -> None:
+    """What `build_trl_config` refuses, one `UserError` line, without importing TRL where the
+    snapshot of its fields can judge the block (posttrain.training.trl_fields); TRL's own
+    object is built otherwise (options whose invariants are not replicated, a GPU here)."""
+    from posttrain.runtime.host_checks import gpu_driver_here
+
+    if trl_fields.snapshot() is not None and not gpu_driver_here():  # no CUDA: TRL's configs take use_cpu
+        options = {**options, "bf16": cpu_has_bf16()} if options.get("bf16") == "auto" else options
+        validate_options(where, cls_name, trl_fields.option_names(cls_name), options_schema(cls_name), options)
+        refused = trl_fields.fast_verdict(cls_name, options, world)
+        if refused is not None:
+            if refused:
+                raise UserError(where, refused, f"adjust the {cls_name} options as the message says")
+            return
+    import trl
+
+    cls = getattr(trl, cls_name)
+    build_trl_config(where, cls if world == 1 else _with_world_size(cls, world), options,
+                     output_dir="/nonexistent/posttrain-check")
+
+
+def options_schema(cls_name: str) -> type[BaseModel]:
+    """`trl_schema` of TRL's class `cls_name`, from the snapshot of its fields where it holds."""
+    if trl_fields.snapshot() is None:
+        import trl
+
+        return trl_schema(getattr(trl, cls_name))
+    return _snapshot_schema(cls_name)
+
+
+@functools.cache
+def _snapshot_schema(cls_name: str) -> type[BaseModel]:
+    fields = {key: (trl_fields.annotation(cls_name, key), None) for key in trl_fields.option_names(cls_name)}
+    return bounded_model(f"{cls_name}Options", fields)
+
+
+def validate_options(where: str, cls_name: str, known: set[str], schema: type[BaseModel], options: dict) -> None:
+    """Unknown, owned or ill-typed options of a `cls_name` block as one `UserError` line."""
     for key in options:
         if key in OWNED_TRL_KEYS:
             raise UserError(f"{where}.{key}", f"posttrain sets this option ({OWNED_TRL_KEYS[key]})", "remove it")
         if key not in known:
             hint = difflib.get_close_matches(str(key), known, n=1)
-            fix = f"did you mean {hint[0]!r}?" if hint else f"see the {cls.__name__} documentation"
-            raise UserError(f"{where}.{str(key)[:SHOWN_CHARS]}", f"unknown {cls.__name__} option", fix)
+            fix = f"did you mean {hint[0]!r}?" if hint else f"see the {cls_name} documentation"
+            raise UserError(f"{where}.{str(key)[:SHOWN_CHARS]}", f"unknown {cls_name} option", fix)
     try:
-        trl_schema(cls).model_validate(options)
+        schema.model_validate(options)
     except ValidationError as err:
         file, _, block = where.rpartition(": ")  # `file: sft.trl` -> the option at `file: sft.trl.<key>`
         raise schema_error(file, err, tuple(block.split("."))) from None
+
+
+def build_trl_config(where: str, cls, options: dict, **owned):
+    """`cls(**defaults, **options, **owned)`; unknown or invalid options become `UserError`."""
+    options = resolve_auto(options)
+    validate_options(where, cls.__name__, {f.name for f in dataclasses.fields(cls)}, trl_schema(cls), options)
     try:
         return cls(**{**device_defaults(), **options}, **owned)
     except (ValueError, TypeError) as err:
@@ -201,8 +237,12 @@ def trl_schema(cls) -> type[BaseModel]:
     """A pydantic model of `cls`'s options from TRL's (or peft's) own annotations, strict (YAML reads
     `1e-3` as a string: it must not reach the optimizer) and bounded by TRL_BOUNDS."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: (Annotated[_plain(hints[f.name]), Field(**TRL_BOUNDS.get(f.name, {}))] | None, None)
-              for f in dataclasses.fields(cls) if f.init}
+    return bounded_model(f"{cls.__name__}Options", {f.name: (_plain(hints[f.name]), None)
+                                                     for f in dataclasses.fields(cls) if f.init})
+
+
+def bounded_model(name: str, fields: dict) -> type[BaseModel]:
+    """A strict pydantic model of `fields` (name: (type, default)), each optional and bounded by TRL_BOUNDS."""
+    fields = {key: (Annotated[hint, Field(**TRL_BOUNDS.get(key, {}))] | None, None) for key, (hint, _) in fields.items()}
     # no inf or nan: `beta: .inf` is valid YAML and a valid float, and no TRL option means it
-    return create_model(f"{cls.__name__}Options", __config__=ConfigDict(strict=True, extra="allow", allow_inf_nan=False),
-                        **fields)
+    return create_model(name, __config__=ConfigDict(strict=True, extra="allow", allow_inf_nan=False), **fields)
