@@ -15,6 +15,7 @@ from pathlib import Path
 from posttrain.errors import GateFailure, ReplayError, StageFailed, TrainingFailed, UserError
 from posttrain.capacity.profiles import PACKAGED as PACKAGED_PROFILES
 from posttrain.redact import guard_standard_streams, redact_text
+from posttrain.stages import STAGES as DECLARED
 
 # Offline by default: real models are local paths; Prefect and DVC send no telemetry.
 OFFLINE_DEFAULTS = {
@@ -24,9 +25,9 @@ OFFLINE_DEFAULTS = {
 }
 
 
-# The pipeline stages: one module each in posttrain/stages. dvc.yaml names their paths; each
-# stage's `main(config, *, ...)` keyword arguments are the flags `posttrain stage NAME` takes.
-STAGES = ("prepare", "sft", "grpo", "serving", "evaluate")
+# The pipeline stages (posttrain.stages.STAGES declares each one's flags): one module each in
+# posttrain/stages; dvc.yaml names their paths.
+STAGES = tuple(DECLARED)
 
 
 class Parser(argparse.ArgumentParser):
@@ -296,7 +297,7 @@ def run_stage(args) -> None:
     from posttrain import preflight
     from posttrain.config import load_config
 
-    wanted = ["config"] + stage_flags(args.stage)  # from the source: a wrong flag costs no torch import
+    wanted = ["config", *DECLARED[args.stage].flags]  # declared: a wrong flag costs no torch import
     where = f"posttrain stage {args.stage}"
     flags = args.flags
     if len(flags) % 2 or not all(f.startswith("--") for f in flags[::2]):
@@ -317,7 +318,7 @@ def run_stage(args) -> None:
                         f"use one of {list(config.grpo)}")
     if args.stage in ("sft", "grpo"):
         kwargs["config_path"] = config_path  # for the memory plan: gpus.yaml beside the config
-    for module, name in STAGE_IMPORTS.get(args.stage, ()):  # start-up, not the stage's compute (make bench)
+    for module, name in DECLARED[args.stage].imports:  # start-up, not the stage's compute (make bench)
         getattr(importlib.import_module(module), name)
     from posttrain.plugins import plugin_refusal  # what the user's plug-ins raise: one line naming the plug-in
     from posttrain.stageid import StageId
@@ -325,15 +326,6 @@ def run_stage(args) -> None:
     stage = StageId(args.stage, kwargs.get("name") if args.stage == "grpo" else None)
     with plugin_refusal(where, log=str(stage.log)):
         print(json.dumps(main(config, **kwargs), indent=2, sort_keys=True))
-
-
-# The libraries a stage's own work imports, imported before it starts: seconds on a small
-# machine (TRL imports vLLM when it is installed), which `make bench` counts as the stage
-# process's start-up, not as its compute (`compute.<part>_seconds`, posttrain.tracking.mlflow_runs).
-STAGE_IMPORTS = {"prepare": [("transformers", "AutoModelForCausalLM")],
-                 "sft": [("trl", "SFTTrainer"), ("datasets", "Dataset")],
-                 "grpo": [("trl", "GRPOTrainer"), ("datasets", "Dataset")],
-                 "evaluate": [("transformers", "AutoModelForCausalLM")]}
 
 
 def join_stage(args) -> int:
@@ -353,19 +345,6 @@ def join_stage(args) -> int:
     if code != 0:
         raise TrainingFailed(f"join {args.stage}: node {args.node_rank}'s launcher exited with code {code}")
     return 0
-
-
-def stage_flags(stage: str) -> list[str]:
-    """The keyword-only parameters of `posttrain/stages/<stage>.py`'s `main`, read from its
-    source (importing a stage imports torch and TRL: seconds)."""
-    import ast
-    import importlib.util
-
-    source = importlib.util.find_spec(f"posttrain.stages.{stage}").origin
-    tree = ast.parse(Path(source).read_text())
-    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
-    required = [arg for arg, default in zip(main.args.kwonlyargs, main.args.kw_defaults) if default is None]
-    return [arg.arg for arg in required]
 
 
 def print_kv(args) -> None:

@@ -43,6 +43,24 @@ def test_bad_arguments(args, needles):
     assert_one_line_error(posttrain(*args), *needles)
 
 
+def test_each_stage_declares_the_flags_its_main_takes():
+    """posttrain.stages.STAGES is what `posttrain stage NAME` checks flags against before the
+    stage is imported: each declaration is its `main`'s required keyword-only parameters, in
+    order, and each declared import exists."""
+    import importlib
+    import inspect
+
+    from posttrain.stages import STAGES
+
+    assert set(STAGES) == {p.stem for p in (REPO / "posttrain" / "stages").glob("*.py")} - {"__init__"}
+    for name, declared in STAGES.items():
+        parameters = inspect.signature(importlib.import_module(f"posttrain.stages.{name}").main).parameters.values()
+        assert declared.flags == tuple(p.name for p in parameters
+                                       if p.kind is p.KEYWORD_ONLY and p.default is p.empty), name
+        for module, attribute in declared.imports:
+            assert hasattr(importlib.import_module(module), attribute), (name, module, attribute)
+
+
 def test_check_rejects_a_malformed_config(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("grpo: {a: {from: sft, trl: {learnin_rate: 1}}}\n")

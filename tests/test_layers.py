@@ -117,6 +117,20 @@ def test_no_chdir_outside_a_child_process():
     assert {p: line for p, line in found.items() if p not in CHDIR_ALLOWED} == {}
 
 
+# Who may import `ast` outside the tests: no module reads the project's own source to learn
+# what it declares (a stage's flags are declared in posttrain.stages.STAGES).
+AST_ALLOWED = {"posttrain/envs/calculator.py": "parses the model's arithmetic expression, never evaluates it"}
+
+
+def test_no_module_parses_the_projects_source():
+    found = sorted(path.relative_to(REPO).as_posix() for package in ("posttrain", "flows", "tasks")
+                   for path in (REPO / package).rglob("*.py")
+                   if any(isinstance(node, (ast.Import, ast.ImportFrom)) and "ast" in
+                          [a.name for a in node.names] + [getattr(node, "module", None)]
+                          for node in ast.walk(ast.parse(path.read_text()))))
+    assert [p for p in found if p not in AST_ALLOWED] == []
+
+
 def test_environments_are_imported_when_named():
     """posttrain.envs imports no built-in environment up front (each is imported when a config
     names it), and no environment imports scoring: the SQL sandbox is below both."""
