@@ -35,6 +35,13 @@ ratios (a round's pair runs back to back, so a load that comes and goes weighs o
 both), with their range as the spread.
 
     .venv/bin/python bench/grpo_throughput.py [--steps 100] [--warmup 10] [--rounds 3] [--threads N] [--root DIR]
+    .venv/bin/python bench/grpo_throughput.py --config configs/recipes/smollm2-arithmetic-zero.yaml --steps 20 --warmup 3
+
+Before the ratio it prints this machine's matmul peak (fp32 and bf16, the runs' threads) and
+each side's step split into generation (TRL's profiled generate block), scoring (the rest of
+its `_prepare_inputs`: rewards, old log-probabilities) and training (forward, backward,
+optimizer), generation and training as GFLOP/s and a share of that peak, from the FLOPs a
+step's tokens cost (`step_flops`: an estimate, attention left out).
 """
 
 from __future__ import annotations
@@ -65,9 +72,12 @@ CLOCKED = ("import runpy, sys; sys.path.insert(1, sys.argv[1]); from bare_grpo i
            "runpy.run_module('posttrain', run_name='__main__', alter_sys=True)")
 
 
-def setup(root: Path, steps: int) -> tuple[Path, str]:
-    """A workspace of the default config with its SFT model trained; the GRPO stage's name."""
-    config = read_config_dict(REPO / "configs" / "pipeline.yaml")
+def setup(root: Path, steps: int, config_path: Path) -> tuple[Path, str]:
+    """A workspace of `config_path` (default: the default config) with its SFT model
+    trained; the GRPO stage's name."""
+    config = read_config_dict(config_path)
+    if config.get("model", {}).get("path"):  # a real model: named from the checkout
+        config["model"]["path"] = str((REPO / config["model"]["path"]).resolve())
     name, stage = next(iter(config["grpo"].items()))
     config["grpo"] = {name: {**stage, "trl": {**stage["trl"], "max_steps": steps}}}
     config["gate"] = {**config["gate"], "max_prompts": GATE_PROMPTS}
@@ -81,12 +91,14 @@ def setup(root: Path, steps: int) -> tuple[Path, str]:
     return ws, name
 
 
-def bare_inputs(root: Path, ws: Path, name: str) -> tuple[Path, Path]:
-    """The prompts the stage trains on (its pass-rate filter's, same seed) and the
-    GRPOConfig options posttrain gives TRL, as files for bench/bare_grpo.py."""
+def bare_inputs(root: Path, ws: Path, name: str) -> tuple[Path, Path, Path]:
+    """The prompts the stage trains on (its pass-rate filter's, same seed), the GRPOConfig
+    options posttrain gives TRL (`bf16: auto` resolved as the stage resolves it), and the
+    stage's reward channels, reader and trainable parameters, as files for bench/bare_grpo.py."""
     from posttrain.chat import grpo_rows
     from posttrain.config import load_config
-    from posttrain.training.trl_bridge import device_defaults, grpo_trl_options
+    from posttrain.training.trainable import parameter_names, selected
+    from posttrain.training.trl_bridge import device_defaults, grpo_trl_options, resolve_auto
     from posttrain.envs import get_env
     from posttrain.files import read_jsonl
     from posttrain.stages.grpo import filter_prompts
@@ -94,12 +106,23 @@ def bare_inputs(root: Path, ws: Path, name: str) -> tuple[Path, Path]:
     config = load_config(ws / "configs" / "pipeline.yaml")
     stage = config.grpo[name]
     env = get_env(config.data.env, **config.data.options)
-    kept, _ = filter_prompts(config, stage, env, str(ws / "artifacts" / "models" / stage.from_),
+    kept, _, _ = filter_prompts(config, stage, env, str(ws / "artifacts" / "models" / stage.from_),
                              read_jsonl(ws / "data" / "train.jsonl"))
-    rows, options = root / "bare_rows.jsonl", root / "bare_options.json"
+    rows, options, spec = root / "bare_rows.jsonl", root / "bare_options.json", root / "bare_spec.json"
     rows.write_text("".join(json.dumps(r) + "\n" for r in grpo_rows(kept)))
-    options.write_text(json.dumps({**device_defaults(), "seed": config.seed, **grpo_trl_options(stage)}))
-    return rows, options
+    options.write_text(json.dumps(resolve_auto({**device_defaults(), "seed": config.seed, **grpo_trl_options(stage)})))
+    unknown = set(stage.rewards) - {"correctness", "digits"}
+    if unknown:
+        raise SystemExit(f"bench/bare_grpo.py has no channel {sorted(unknown)}: a recipe paying correctness and "
+                         "digits only")
+    trainable = None
+    if stage.trainable:
+        names, layers = parameter_names(config)
+        trainable = selected(names, top_layers=stage.trainable.top_layers, patterns=list(stage.trainable.patterns),
+                             num_layers=layers)
+    spec.write_text(json.dumps({"channels": list(stage.rewards), "reader": config.data.options.get("answer"),
+                                "trainable": trainable}))
+    return rows, options, spec
 
 
 def bench_root(given: str | None, prefix: str) -> Path:
@@ -121,24 +144,35 @@ def run(command: list[str], cwd: Path, log: Path) -> float:
 
 def steady(clock: Path, warmup: int, steps: int, wall: float) -> dict:
     """A run's figures from its step clock: steady-state wall and CPU s/step (steps
-    warmup+1 .. warmup+steps), the untimed warm-up's wall s/step, and the tokens trained
-    on by the last logged step (the same on both sides when each step did the same work)."""
+    warmup+1 .. warmup+steps), the untimed warm-up's wall s/step, the tokens trained on by
+    the last logged step (the same on both sides when each step did the same work), the
+    timed steps' seconds a step in TRL's profiled generation and in its `_prepare_inputs`
+    (generation, rewards, the old policy's log-probabilities), and the tokens a step
+    (prompts and completions, over the steps to the last logged one)."""
     times = read_json(clock)
     ends = times["step_ends"]
     if len(ends) != warmup + steps:
         raise SystemExit(f"{clock}: {len(ends)} steps ran, not {warmup} + {steps}; see its log")
     (wall0, cpu0), (wall1, cpu1) = ends[warmup - 1], ends[-1]
-    tokens = times["num_tokens"]
+    tokens = {int(k): v for k, v in times["num_tokens"].items()}
+    parts = times.get("parts", {})
+
+    def block(suffix: str) -> float:  # a block's seconds a timed step (its step key: the steps done before it)
+        return sum(seconds for step in range(warmup, warmup + steps)
+                   for name, seconds in parts.get(str(step), {}).items() if name.endswith(suffix)) / steps
+
     return {"s_per_step": (wall1 - wall0) / steps, "cpu_s_per_step": (cpu1 - cpu0) / steps,
             "warmup_s_per_step": (wall0 - times["begin"][0]) / warmup,
-            "tokens": tokens[max(tokens, key=int)] if tokens else None, "wall": wall}
+            "tokens": tokens[max(tokens)] if tokens else None, "wall": wall,
+            "generation_s_per_step": block(".generate"), "inputs_s_per_step": block("._prepare_inputs"),
+            "tokens_per_step": tokens[max(tokens)] / max(tokens) if tokens else None}
 
 
-def bare(root: Path, ws: Path, name: str, inputs: tuple[Path, Path], i: int, counts: tuple[int, int]) -> dict:
+def bare(root: Path, ws: Path, name: str, inputs: tuple[Path, Path, Path], i: int, counts: tuple[int, int]) -> dict:
     out, clock = root / f"bare-{i}", root / f"bare-{i}.clock.json"
     model = ws / "artifacts" / "models" / read_config_dict(ws / "configs" / "pipeline.yaml")["grpo"][name]["from"]
     wall = run([sys.executable, str(BENCH / "bare_grpo.py"), "--model", str(model), "--rows", str(inputs[0]),
-                "--options", str(inputs[1]), "--output-dir", str(out), "--clock", str(clock)],
+                "--options", str(inputs[1]), "--spec", str(inputs[2]), "--output-dir", str(out), "--clock", str(clock)],
                root, root / f"bare-{i}.log")
     return steady(clock, *counts, wall)
 
@@ -170,6 +204,66 @@ def report_round(i: int, order: list[str], b: dict, p: dict) -> None:
                       for side, r in (("bare", b), ("posttrain", p))), flush=True)
 
 
+def matmul_peak(threads: int | None) -> dict[str, float]:
+    """This machine's measured matmul GFLOP/s (2048^3, best of 10 after a warm-up), fp32 and
+    bf16, at the runs' thread count: the ceiling a step's parts are read against."""
+    import torch
+
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    peaks = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+        a @ b
+        best = min(_timed(lambda: a @ b) for _ in range(10))
+        peaks[str(dtype).removeprefix("torch.")] = 2 * 2048 ** 3 / best / 1e9
+    return peaks
+
+
+def _timed(work) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+def step_flops(ws: Path, name: str, tokens: float) -> tuple[float, float]:
+    """(generation, the rest) FLOPs of a step that reads and writes `tokens` tokens: 2 N a
+    token to generate (prompt and completion, attention left out: short sequences); one
+    forward (2 N) and a backward through the trained layers (2 N_trained for the weights'
+    gradients, 2 (N_trained + the output head) for the activations') to train, as TRL's
+    GRPO step with beta 0 and one iteration a generation does. N: the model's parameters,
+    the tied output head counted once, as the matmul it is."""
+    from posttrain.config import load_config
+    from posttrain.training.trainable import parameter_sizes, selected
+
+    config = load_config(ws / "configs" / "pipeline.yaml")
+    stage = config.grpo[name]
+    sizes, layers = parameter_sizes(config)
+    total = sum(sizes.values())
+    head = max(sizes.values())  # the embedding matrix: the output head's matmul
+    names = list(sizes) if not stage.trainable else selected(
+        list(sizes), top_layers=stage.trainable.top_layers, patterns=list(stage.trainable.patterns), num_layers=layers)
+    trained = sum(sizes[n] for n in names)
+    head_grad = 0 if trained == total else head
+    return 2 * total * tokens, (2 * total + 2 * (trained + head_grad) + 2 * trained) * tokens
+
+
+def report_split(ws: Path, name: str, sides: dict, peaks: dict, bf16: bool) -> None:
+    """Each side's step split into generation, scoring (the rest of TRL's `_prepare_inputs`:
+    rewards, the old policy's log-probabilities) and training (forward, backward, optimizer),
+    generation and training also as GFLOP/s and a share of the measured matmul peak in the
+    dtype the step computes in."""
+    peak = peaks["bfloat16" if bf16 else "float32"]
+    for side, results in sides.items():
+        step, gen, inputs, tokens = (statistics.median(r[key] for r in results) for key in
+                                     ("s_per_step", "generation_s_per_step", "inputs_s_per_step", "tokens_per_step"))
+        gen_flops, train_flops = step_flops(ws, name, tokens)
+        train = step - inputs
+        print(f"{side:<10} step {step:.3f} s, {tokens:.0f} tokens: generation {gen:.3f} s ({gen / step:.0%}; "
+              f"{gen_flops / gen / 1e9:.1f} GFLOP/s, {gen_flops / gen / 1e9 / peak:.1%} of peak), scoring "
+              f"{inputs - gen:.3f} s ({(inputs - gen) / step:.0%}), training {train:.3f} s ({train / step:.0%}; "
+              f"{train_flops / train / 1e9:.1f} GFLOP/s, {train_flops / train / 1e9 / peak:.1%} of peak)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=100, help="GRPO steps timed per run (default 100)")
@@ -179,6 +273,9 @@ def main() -> None:
                         "thread a core); 1 on a shared machine, where two threads that wait on each other at every "
                         "op while other tenants hold a core make a step 10-30 times slower, in bursts")
     parser.add_argument("--root", help="where the workspace and logs go (default: a new temporary folder)")
+    parser.add_argument("--config", default=str(REPO / "configs" / "pipeline.yaml"),
+                        help="the pipeline whose first GRPO stage is timed (e.g. a SmolLM2 recipe after `make smollm2`); "
+                             "its channels: correctness and digits")
     args = parser.parse_args()
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1")
@@ -187,8 +284,10 @@ def main() -> None:
     print(f"grpo_throughput: {args.warmup} warm-up + {args.steps} timed steps x {args.rounds} rounds in {root} "
           f"(cpus: {os.cpu_count()}, threads: {args.threads or 'torch default'}, "
           f"load average {os.getloadavg()[0]:.2f})", flush=True)
-    ws, name = setup(root, sum(counts))
+    ws, name = setup(root, sum(counts), Path(args.config).resolve())
     inputs = bare_inputs(root, ws, name)
+    peaks = matmul_peak(args.threads)
+    print("matmul peak, 2048^3: " + ", ".join(f"{d} {g:.1f} GFLOP/s" for d, g in peaks.items()), flush=True)
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the runs' environment (workspace.stage_env), not setup's
     sides = {"bare": [], "posttrain": []}
@@ -204,6 +303,7 @@ def main() -> None:
     pairs = list(zip(sides["bare"], sides["posttrain"]))
     cpu = [b["cpu_s_per_step"] / p["cpu_s_per_step"] for b, p in pairs]
     print(f"load average {os.getloadavg()[0]:.2f}; CPU-time ratio over rounds median [min, max] {spread(cpu)}")
+    report_split(ws, name, sides, peaks, bool(json.loads(inputs[1].read_text()).get("bf16")))
     ratios = [b["s_per_step"] / p["s_per_step"] for b, p in pairs]
     print(f"ratio={statistics.median(ratios):.3f} over rounds median [min, max] {spread(ratios)}")
 
