@@ -18,8 +18,8 @@ same prompts everywhere. The two extra arms skip the serving checks (they measur
     .venv/bin/python bench/stage_ablation.py --seeds 0 --root /tmp/stages
 
 Per seed and arm it records held-out greedy accuracy with its Wilson interval, the format
-rate, pass@k with its interval, exact McNemar p against the base model and against every
-other arm (paired on the same prompts), training seconds (`train()` of the arm's stages),
+rate, pass@k with its interval, p against the base model and against every other arm, paired
+on the same prompts (greedy: exact McNemar; pass@k: paired bootstrap), training seconds (`train()` of the arm's stages),
 the budget, machine and commit, into `bench/results/stage_ablation.json` (`--out`) after
 each seed; the table to stdout. A finished arm's workspace is read, not rerun.
 """
@@ -113,8 +113,9 @@ def seed_records(root: Path, config: dict, zero: dict, seed: int, uri: str, k: i
         for other in ARMS:
             if other != arm:
                 test = stats.compare(found[other][1], found[arm][1], "greedy_accuracy", resamples=resamples, seed=seed)
-                record[f"p_vs_{other}"] = test.p_value
-                record[f"gain_vs_{other}"] = test.delta
+                record[f"p_vs_{other}"], record[f"gain_vs_{other}"] = test.p_value, test.difference
+                test = stats.compare(found[other][1], found[arm][1], f"pass_at_k.{k}", resamples=resamples, seed=seed)
+                record[f"pass_at_{k}_p_vs_{other}"], record[f"pass_at_{k}_gain_vs_{other}"] = test.p_value, test.difference
         records.append(record)
     return records
 
