@@ -170,7 +170,10 @@ def steady(clock: Path, warmup: int, steps: int, wall: float) -> dict:
 
 def bare(root: Path, ws: Path, name: str, inputs: tuple[Path, Path, Path], i: int, counts: tuple[int, int]) -> dict:
     out, clock = root / f"bare-{i}", root / f"bare-{i}.clock.json"
-    model = ws / "artifacts" / "models" / read_config_dict(ws / "configs" / "pipeline.yaml")["grpo"][name]["from"]
+    from posttrain.layout import resolve_model_dir  # a real base model: the workspace holds a pointer to it
+
+    model = resolve_model_dir(ws / "artifacts" / "models" /
+                              read_config_dict(ws / "configs" / "pipeline.yaml")["grpo"][name]["from"])
     wall = run([sys.executable, str(BENCH / "bare_grpo.py"), "--model", str(model), "--rows", str(inputs[0]),
                 "--options", str(inputs[1]), "--spec", str(inputs[2]), "--output-dir", str(out), "--clock", str(clock)],
                root, root / f"bare-{i}.log")
