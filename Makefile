@@ -50,7 +50,7 @@ bench: install
 
 # posttrain's GRPO stage against bare TRL, alternating rounds (about 10 min on 2 cores)
 bench-throughput: install
-	$(BIN)/python bench/grpo_throughput.py
+	$(BIN)/python bench/grpo_throughput.py $(if $(CONFIG),--config $(CONFIG) --steps 15 --warmup 3 --rounds 2)
 
 # GRPO wall time against steps, evaluation against prompts x samples (about 15 min on 2 cores)
 bench-scaling: install
