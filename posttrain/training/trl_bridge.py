@@ -66,9 +66,9 @@ def check_trainable(path: Path, config: PipelineConfig) -> None:
     stages = [(stage, config.stage_section(stage).trainable) for stage in training_stages(config)]
     stages = [(stage, spec) for stage, spec in stages if spec is not None]
     if stages:
-        layers = trainable.decoder_layers(config)  # top_layers alone need no model built
-        names, layers = trainable.parameter_names(config) if layers is None or any(
-            spec.patterns for _, spec in stages) else ([], layers)
+        names, layers = [], trainable.decoder_layers(config)  # top_layers alone need no model built
+        if layers is None or any(spec.patterns for _, spec in stages):
+            names, layers = trainable.parameter_names(config)
         for stage, spec in stages:
             trainable.check(f"{path}: {stage.field}.trainable", spec, names, layers)
 
@@ -140,9 +140,9 @@ def resolve_auto(options: dict) -> dict:
     GPU or a CPU with bf16 instructions, fp32 elsewhere."""
     if options.get("bf16") != "auto":
         return options
-    import torch
+    from posttrain.runtime.host_checks import cuda_devices  # no GPU driver: no torch import
 
-    return {**options, "bf16": torch.cuda.is_available() or cpu_has_bf16()}
+    return {**options, "bf16": cuda_devices() > 0 or cpu_has_bf16()}
 
 
 def check_trl_config(where: str, cls_name: str, options: dict, world: int) -> None:
@@ -152,7 +152,7 @@ def check_trl_config(where: str, cls_name: str, options: dict, world: int) -> No
     from posttrain.runtime.host_checks import gpu_driver_here
 
     if trl_fields.snapshot() is not None and not gpu_driver_here():  # no CUDA: TRL's configs take use_cpu
-        options = {**options, "bf16": cpu_has_bf16()} if options.get("bf16") == "auto" else options
+        options = resolve_auto(options)
         validate_options(where, cls_name, trl_fields.option_names(cls_name), options_schema(cls_name), options)
         refused = trl_fields.fast_verdict(cls_name, options, world)
         if refused is not None:

@@ -20,6 +20,7 @@ import dataclasses
 import enum
 import functools
 import json
+import types
 import typing
 from importlib import metadata
 from pathlib import Path
@@ -100,7 +101,7 @@ def encode(hint) -> Any:
         return {"dict": ["any", "any"]} if hint is dict else {"list": "any"}
     if origin is Literal:
         return {"literal": list(args)}
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
+    if origin in (typing.Union, types.UnionType):
         return {"union": [encode(a) for a in args]}
     if origin is list:
         return {"list": encode(args[0]) if args else "any"}
