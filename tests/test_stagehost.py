@@ -105,7 +105,7 @@ def test_the_config_check_the_host_runs_answers_as_the_check_here(workspace):
     here = posttrain(["check", "--config", "configs/bad.yaml"], ws, hosted_env(ws))
     assert answers["pipeline.yaml"] == {"fits": ""}  # the host did it (None: it did not)
     assert here.returncode == 2 and here.stderr == f"posttrain: error: {answers['bad.yaml']['refused']}\n"
-    assert "sft.trl: bogus is not a valid SchedulerType" in here.stderr
+    assert "sft.trl: 'bogus' is not a valid lr_scheduler_type; choose one of linear, cosine" in here.stderr
 
 
 def stage_command(ws: Path, stage: str) -> list[str]:
