@@ -24,7 +24,7 @@ from pathlib import Path
 import mlflow
 
 from posttrain.config import load_config
-from posttrain.runtime.dead_runs import STARTED_TAG
+from posttrain.tracking.dead_runs import STARTED_TAG
 from posttrain.tracking.mlflow_runs import COMPUTE_PREFIX, tracking_uri
 
 GOAL = 0.10

@@ -172,7 +172,7 @@ def finished_in_store(workdir: str, config, uri: str) -> tuple[str, str] | None:
         return None
     found = finished_run(workdir, config, uri)
     if found:
-        from posttrain.runtime import dead_runs
+        from posttrain.tracking import dead_runs
 
         dead_runs.mark_dead_runs(uri, os.path.abspath(workdir), f"process {os.getpid()} (posttrain run: nothing to do)")
         record_finished(workdir, *found, uri)

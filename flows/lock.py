@@ -3,7 +3,7 @@
 Two runs on one workspace would write the same outputs; DVC's own lock would fail the
 second one part-way, so it queues here instead. Every live retrain run of a workspace
 holds it, which is also how the next run knows a RUNNING MLflow run left behind is dead
-(posttrain.runtime.dead_runs).
+(posttrain.tracking.dead_runs).
 """
 
 from __future__ import annotations

@@ -7,13 +7,13 @@ import socket
 
 from prefect import get_run_logger, task
 
-from posttrain.runtime import dead_runs
+from posttrain.tracking import dead_runs
 from tasks.dvc_stages import TASK_DEFAULTS
 
 
 @task(name="mark_dead_runs", **TASK_DEFAULTS)
 def mark_dead_runs(workdir: str, uri: str) -> list[str]:
-    """The workspace's retrain runs a killed run left RUNNING, marked KILLED (posttrain.runtime.dead_runs).
+    """The workspace's retrain runs a killed run left RUNNING, marked KILLED (posttrain.tracking.dead_runs).
 
     Runs under the workspace lock, which every live retrain run of the workspace holds:
     whatever is still RUNNING then is dead, not running beside this one.

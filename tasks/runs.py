@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 from prefect import task
 
-from posttrain.runtime import dead_runs
+from posttrain.tracking import dead_runs
 from posttrain.files import read_json
 from posttrain.stageid import known
 from posttrain.layout import PARAMS_FILE

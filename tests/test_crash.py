@@ -19,7 +19,7 @@ import yaml
 from mlflow import MlflowClient
 
 from conftest import BIN, CHILD_ENV_DROP, copy_workspace, sh
-from posttrain.runtime.dead_runs import CRASH_TAG, HOST_TAG, PID_TAG, mark_dead_runs
+from posttrain.tracking.dead_runs import CRASH_TAG, HOST_TAG, PID_TAG, mark_dead_runs
 
 
 def start_run(ws, out):

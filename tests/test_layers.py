@@ -147,3 +147,13 @@ def test_environments_are_imported_when_named():
                            "print(sorted(m for m in sys.modules if m.startswith('posttrain.envs.')))"],
                           capture_output=True, text=True, check=True, cwd=REPO)
     assert done.stdout.split() == ["['posttrain.envs.arithmetic',", "'posttrain.envs.base']"]
+
+
+def test_mlflow_is_imported_only_by_tracking():
+    """The library reaches MLflow through posttrain.tracking (a stage's Recorder); flows/ and
+    tasks/ open and close the runs and may import it themselves."""
+    known = modules()
+    found = sorted(name for name, path in known.items() if "mlflow" in imported(name, path, known)
+                   and not name.startswith("posttrain.tracking"))
+    assert found == []
+    assert "mlflow" in imported("posttrain.tracking.recorder", known["posttrain.tracking.recorder"], known)

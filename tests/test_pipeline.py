@@ -66,7 +66,7 @@ def test_each_stage_logs_a_run_with_trl_curves(reproduced):
     assert grpo["tags.posttrain.audit"] == "passed" and grpo["metrics.audit.breaches"] == 0   # the reward audit
     assert "audit.json" in {f.path for f in mlflow.MlflowClient().list_artifacts(grpo.run_id)}
     assert by_stage["prepare"]["tags.git.commit"]                          # a stage run alone carries provenance
-    # not TRL's per-call timings: a store round trip each, several a step (posttrain.training.trainer.log_to_mlflow)
+    # not TRL's per-call timings: a store round trip each, several a step (posttrain.tracking.recorder.Recorder.follow)
     assert not [k for k in runs if k.startswith("metrics.profiling/")] and grpo["metrics.step_time"] > 0
     # each stage's own compute, timed by the stage (make bench holds the wall time against it)
     parts = {stage: {k.split(".", 2)[2] for k, v in row.items() if k.startswith("metrics.compute.") and v == v}

@@ -407,10 +407,8 @@ def checked_plan(config, stage: str, *, config_path: str | Path, prompt_chars: i
     return result
 
 
-def log_plan(result: dict) -> None:
-    """A stage's plan on the active MLflow run: `memory.json` and `memory.*_bytes` metrics."""
-    import mlflow
-
-    mlflow.log_dict(result, "memory.json")
-    mlflow.log_metrics({f"memory.{k}": float(v) for k, v in result.items()
-                        if k.endswith("_bytes") and isinstance(v, int) and not isinstance(v, bool)})
+def log_plan(result: dict, recorder) -> None:
+    """A stage's plan in its run (`recorder`): `memory.json` and `memory.*_bytes` metrics."""
+    recorder.dict(result, "memory.json")
+    recorder.metrics({k: v for k, v in result.items() if k.endswith("_bytes") and isinstance(v, int)
+                      and not isinstance(v, bool)}, prefix="memory.")

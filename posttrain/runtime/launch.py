@@ -88,17 +88,15 @@ def train(config, stage: str, function: str, job: dict) -> dict:
     launcher = config.stage_launcher(stage)
     if launcher.type == "in_process":
         return {**resolve(function)(config, job), "world_size": 1}
-    import mlflow
+    from posttrain.tracking.recorder import Recorder
 
+    recorder = Recorder.active()
     folder = Path(job["run_dir"]) / LAUNCH_DIR
     for old in ("ranks", "errors"):  # a resumed job's reports are the new ones
         shutil.rmtree(folder / old, ignore_errors=True)
     (folder / "result.json").unlink(missing_ok=True)
-    run = mlflow.active_run()
     write_json(folder / "job.json", {"config": config.model_dump(mode="json", by_alias=True), "function": function,
-                                     "job": job, "stage": stage, "cwd": os.getcwd(),
-                                     "tracking_uri": mlflow.get_tracking_uri(),
-                                     "run_id": run.info.run_id if run else None})
+                                     "job": job, "stage": stage, "cwd": os.getcwd(), **recorder.handle()})
     cmd = command(launcher, job=str(folder / "job.json"), where=f"{stage}: launcher")
     print(f"posttrain: {stage}: training on {launcher.nodes} node(s) x {launcher.processes} process(es) "
           f"({launcher.type}){awaited(launcher, stage)}", flush=True)
@@ -106,9 +104,8 @@ def train(config, stage: str, function: str, job: dict) -> dict:
     if code != 0 or not (folder / "result.json").is_file():
         raise TrainingFailed(failure(stage, folder, code))
     ranks = [read_json(p) for p in sorted((folder / "ranks").glob("rank-*.json"), key=lambda p: int(p.stem[5:]))]
-    if run is not None:
-        mlflow.set_tag("posttrain.launcher", f"{launcher.type} {launcher.nodes}x{launcher.processes}")
-        mlflow.log_text(json.dumps(ranks, indent=1), f"{LAUNCH_DIR}/ranks.json")
+    recorder.tag("posttrain.launcher", f"{launcher.type} {launcher.nodes}x{launcher.processes}")
+    recorder.text(json.dumps(ranks, indent=1), f"{LAUNCH_DIR}/ranks.json")
     return {**read_json(folder / "result.json"), "world_size": launcher.nodes * launcher.processes}
 
 
@@ -265,21 +262,17 @@ def lost_a_peer(err: BaseException) -> bool:
 
 
 def run_job(spec: dict) -> dict:
-    """The job's function on this rank; rank 0 logs into the stage's MLflow run."""
+    """The job's function on this rank; rank 0 logs into the stage's MLflow run (`attached`)."""
     from posttrain.config import PipelineConfig
 
     config = PipelineConfig.model_validate(spec["config"])
     function = resolve(spec["function"])
     if not (is_main() and spec["run_id"]):
         return function(config, spec["job"])
-    import mlflow
+    from posttrain.tracking.recorder import attached
 
-    mlflow.set_tracking_uri(spec["tracking_uri"])
-    mlflow.start_run(run_id=spec["run_id"])
-    try:
+    with attached(spec):  # left RUNNING: the stage's own process ends the run, with the stage's outcome
         return function(config, spec["job"])
-    finally:
-        mlflow.end_run("RUNNING")  # the stage's own process ends the run, with the stage's outcome
 
 
 def join(config, stage: str, node_rank: int, where: str) -> int:

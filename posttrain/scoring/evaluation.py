@@ -240,15 +240,13 @@ def add_timeout_counts(metrics: dict, env) -> dict:
     return metrics
 
 
-def report_timeouts(stage: str, metrics: dict) -> None:
-    """A warning line in the stage's log and an MLflow tag when a time limit cut any match."""
+def report_timeouts(stage: str, metrics: dict, recorder) -> None:
+    """A warning line in the stage's log and a tag in its run (`recorder`) when a time limit cut any match."""
     patterns, maths = int(metrics.get("pattern_timeouts", 0)), int(metrics.get("math_timeouts", 0))
     if not patterns and not maths:
         return
-    import mlflow
-
     warning = (f"{patterns} pattern match(es) and {maths} math-verify call(s) ran past their time limits and scored "
                "the completion unparseable (pattern_timeouts, math_timeouts); simplify data.options.answer_pattern / "
                "format_pattern (no nested repeats such as (a+)+) if the patterns are the cause")
     print(f"posttrain: WARNING: {stage}: {warning}", flush=True)
-    mlflow.set_tag("posttrain.warning.timeouts", warning)
+    recorder.tag("posttrain.warning.timeouts", warning)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlflow
 
 from posttrain import stageid
 from posttrain.envs import config_env
@@ -26,13 +25,14 @@ from posttrain.files import read_jsonl, write_json
 from posttrain.layout import model_dirs, read_card
 from posttrain.tracking.lineage import log_datasets
 from posttrain.scoring.rewards import curve_name, reward_channel
-from posttrain.tracking.mlflow_runs import compute, flatten, stage_run
+from posttrain.tracking.mlflow_runs import compute, stage_run
+from posttrain.tracking.recorder import Recorder
 
 
 def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_path: str,
          accuracy_plot: str, pass_at_k_plot: str, pass_at_k_png: str) -> dict:
     settings = config.evaluate
-    with stage_run(config, "evaluate"):
+    with stage_run(config, "evaluate") as recorder:
         log_datasets({f"{data_dir}/heldout.jsonl": "evaluation"})
         env = config_env(config.data)
         rows = read_jsonl(Path(data_dir) / "heldout.jsonl")[:settings.max_prompts]
@@ -62,37 +62,37 @@ def main(config, *, data_dir: str, models_dir: str, metrics_path: str, outcomes_
             # this model's completions whose matches a time limit cut (dataset env: patterns, math-verify)
             report[name].update({k: float(v - before[k]) for k, v in timeout_counts(env).items()})
             per_prompt[name] = outcomes(samples, settings.n_samples)
-            mlflow.log_table({key: [s[key] for s in samples] for key in samples[0]},
-                             artifact_file=f"samples/{name}.json")
+            recorder.table({key: [s[key] for s in samples] for key in samples[0]}, f"samples/{name}.json")
             if name in episodes:  # turns, tool calls and errors; the greedy episodes as the model saw them
                 report[name]["episodes"] = episode_figures(episodes[name])
-                mlflow.log_table(episode_table(episodes[name], rows, [s["correct"] for s in samples]),
-                                 artifact_file=f"episodes/{name}.json")
+                recorder.table(episode_table(episodes[name], rows, [s["correct"] for s in samples]),
+                               f"episodes/{name}.json")
         if settings.harness.lm_eval:
             with compute("lm-eval"):
-                lm_eval_figures(config, models, rows, report, per_prompt, Path(outcomes_path).parent / "harness")
+                lm_eval_figures(config, models, rows, report, per_prompt, Path(outcomes_path).parent / "harness",
+                                recorder)
         curves = dict(report)
         final = stageid.final(config).field  # "grpo": the pipeline's result
         report["grpo"], per_prompt["grpo"] = report[final], per_prompt[final]
         write_json(outcomes_path, per_prompt)
-        mlflow.log_params({"heldout_prompts": len(rows), "n_samples": settings.n_samples,
-                           "temperature": settings.temperature, "sampling_backend": backend,
-                           "greedy_from_gates": ",".join(reused) if backend == "transformers" else ""})
-        mlflow.log_metrics(flatten(report))
-        report_timeouts("stage evaluate", timeout_counts(env))
+        recorder.params({"heldout_prompts": len(rows), "n_samples": settings.n_samples,
+                         "temperature": settings.temperature, "sampling_backend": backend,
+                         "greedy_from_gates": ",".join(reused) if backend == "transformers" else ""})
+        recorder.metrics(report)
+        report_timeouts("stage evaluate", timeout_counts(env), recorder)
         write_json(metrics_path, report)
         write_json(accuracy_plot, [{"model": m, "greedy_accuracy": r["greedy_accuracy"]} for m, r in report.items()])
         write_json(pass_at_k_plot, [{"model": m, "k": int(k), "pass_at_k": v}
                                     for m, r in curves.items() for k, v in r["pass_at_k"].items()])
-        plot_pass_at_k(curves, pass_at_k_png, settings.temperature, settings.n_samples)
+        plot_pass_at_k(curves, pass_at_k_png, settings.temperature, settings.n_samples, recorder)
     return report
 
 
 def lm_eval_figures(config, models: dict[str, str], rows: list[dict], report: dict, per_prompt: dict,
-                    folder: Path) -> None:
+                    folder: Path, recorder: Recorder) -> None:
     """lm-evaluation-harness on every model (posttrain.scoring.harness): posttrain_heldout and the
     user's task folders; each model's figures into `report[model]["harness"]`, the task folder and
-    the figures into MLflow. HarnessMismatch when a model's two greedy accuracies differ by more
+    the figures into the stage's run. HarnessMismatch when a model's two greedy accuracies differ by more
     than a prompt."""
     from posttrain import preflight
     from posttrain.errors import HarnessMismatch
@@ -104,14 +104,14 @@ def lm_eval_figures(config, models: dict[str, str], rows: list[dict], report: di
                                   config.evaluate.max_new_tokens)
     user_dirs = [resolve(t) for t in settings.tasks]
     tasks = list(dict.fromkeys([harness.TASK, *(n for d in user_dirs for n in preflight.task_names(d) or [])]))
-    mlflow.log_artifacts(str(task_dir), "harness/task")
+    recorder.artifacts(task_dir, "harness/task")
     wrong = []
     for name, model_dir in models.items():
         figures, verdicts, seconds = harness.run(model_dir, [task_dir, *user_dirs], tasks,
                                                  batch_size=settings.batch_size, seed=config.seed,
                                                  add_bos=harness.adds_bos(model_dir, rows[0]["prompt"]))
         report[name]["harness"] = {**figures, "seconds": seconds}
-        mlflow.log_dict(figures, f"harness/{name}.json")
+        recorder.dict(figures, f"harness/{name}.json")
         ours = per_prompt[name]["greedy"]
         print(f"evaluate: lm-eval {name}: exact_match {figures[harness.TASK]['exact_match']:.3f} (posttrain's "
               f"greedy accuracy {sum(ours) / len(ours):.3f}), {seconds:.0f} s", flush=True)
@@ -138,8 +138,8 @@ def reward_channels(config) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def plot_pass_at_k(curves: dict, path: str, temperature: float, n: int) -> None:
-    """pass@k against k (log scale), one line per model; a PNG file and an MLflow figure."""
+def plot_pass_at_k(curves: dict, path: str, temperature: float, n: int, recorder: Recorder) -> None:
+    """pass@k against k (log scale), one line per model; a PNG file and a figure in the run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,5 +156,5 @@ def plot_pass_at_k(curves: dict, path: str, temperature: float, n: int) -> None:
     ax.legend()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    mlflow.log_figure(fig, "pass_at_k.png")
+    recorder.figure(fig, "pass_at_k.png")
     plt.close(fig)

@@ -12,7 +12,6 @@ import random
 import shutil
 from pathlib import Path
 
-import mlflow
 
 from posttrain.training import checkpoints
 from posttrain.capacity import fit
@@ -30,9 +29,10 @@ from posttrain.scoring.rewards import build_rewards
 from posttrain.stageid import StageId
 from posttrain.errors import UserError
 from posttrain.scoring.audit import agreement, audit_stages, fix_for, summary
-from posttrain.tracking.mlflow_runs import compute, flatten, stage_run
+from posttrain.tracking.mlflow_runs import compute, stage_run
+from posttrain.tracking.recorder import Recorder
 from posttrain.training.trainable import freeze
-from posttrain.training.trainer import gate_evaluation, gate_figures, log_to_mlflow, lora_config, save_model, train
+from posttrain.training.trainer import gate_evaluation, gate_figures, lora_config, save_model, train
 
 ZERO_STD_WARNING = 0.5
 
@@ -42,8 +42,8 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
          config_path: str = PARAMS_FILE) -> dict[str, float]:
     stage, stage_id = config.grpo[name], StageId.grpo(name)
     memory = fit.checked_plan(config, stage_id.dvc, config_path=config_path)  # a stage that cannot fit stops here
-    with stage_run(config, stage_id.dvc):
-        fit.log_plan(memory)
+    with stage_run(config, stage_id.dvc) as recorder:
+        fit.log_plan(memory, recorder)
         log_datasets({f"{data_dir}/train.jsonl": "training", f"{data_dir}/heldout.jsonl": "evaluation"})
         env = config_env(config.data)
         previous = read_card(init_dir)
@@ -56,13 +56,13 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
         with compute("audit"):
             audited = audit_rewards(config_path, config, name, env, train_rows)
         if previous.get("stopped_at"):
-            record_audit(audited, audit_path)
-            return pass_through(init_dir, out_dir, metrics_path, curve_path, layers_path,
+            record_audit(audited, audit_path, recorder)
+            return pass_through(init_dir, out_dir, metrics_path, curve_path, layers_path, recorder,
                                 f"stopped at {previous['stopped_at']}")
         with compute("filter"):
             rows, metrics, samples = filter_prompts(config, stage, env, init_dir, train_rows)
         audit_agreement(config, name, env, audited, *samples)  # the starting model's own samples, scored
-        record_audit(audited, audit_path)
+        record_audit(audited, audit_path, recorder)
         refuse_audit(config_path, config, name, audited)
         needed = prompts_per_step(config, stage, stage_id)
         if len(rows) < needed:  # TRL's sampler would yield no batch: zero steps, and a gate on an unchanged model
@@ -70,8 +70,8 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
                       f"pass rate {metrics.get('pass_rate_mean', 0.0):.3f}): nothing left to learn from; the "
                       "previous model passes on unchanged")
             print(f"posttrain: WARNING: stage {name}: {reason}", flush=True)
-            mlflow.set_tag("posttrain.warning.no_prompts", reason)
-            return pass_through(init_dir, out_dir, metrics_path, curve_path, layers_path, reason,
+            recorder.tag("posttrain.warning.no_prompts", reason)
+            return pass_through(init_dir, out_dir, metrics_path, curve_path, layers_path, recorder, reason,
                                 {**metrics, "prompts_per_step": float(needed)})
         run_dir = checkpoints.run_dir(checkpoint_dir, [config.seed, stage.model_dump(),  # and the launcher, as in sft
                                                        config.stage_launcher(stage_id).model_dump()],
@@ -82,7 +82,7 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
         curve = trained["curve"]
         metrics.update(trained["metrics"], world_size=float(trained["world_size"]))
         with compute("diagnostics"):  # before the gate: a rejected candidate is gone after it
-            metrics.update(diagnose(config, stage, name, init_dir, out_dir, rows, curve, layers_path))
+            metrics.update(diagnose(config, stage, name, init_dir, out_dir, rows, curve, layers_path, recorder))
         with compute("gate"):
             candidate = gate_evaluation(out_dir, env, config, data_dir)
         decision = decide(previous["eval"], candidate, k=config.gate.k, tolerance=config.gate.tolerance,
@@ -100,7 +100,7 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
         metrics.update(gate_metrics(candidate, decision, config.gate.k),
                        start_greedy_accuracy=previous["eval"]["greedy_accuracy"])
         add_timeout_counts(metrics, env)  # the filter's and the gate's, beside training's
-        record(name, metrics, decision, curve, metrics_path, curve_path)
+        record(name, metrics, decision, curve, metrics_path, curve_path, recorder)
     return metrics
 
 
@@ -142,20 +142,20 @@ def audit_agreement(config, name: str, env, audited: dict, rows: list[dict], sam
           f"and misses {found['missed_reward']:.1%} of {found['right']} right ones", flush=True)
 
 
-def record_audit(audited: dict, audit_path: str | None) -> None:
+def record_audit(audited: dict, audit_path: str | None, recorder: Recorder) -> None:
     """The audit into the stage's MLflow run (audit.json, its counts, a tag) and `audit_path`."""
     if audit_path:
         write_json(audit_path, audited)
     if audited["action"] == "off":
-        mlflow.set_tag("posttrain.audit", "off")
+        recorder.tag("posttrain.audit", "off")
         return
-    mlflow.log_dict(audited, "audit.json")
+    recorder.dict(audited, "audit.json")
     found = audited.get("agreement", {})
-    mlflow.log_metrics({"audit.exploits": float(audited["exploits"]), "audit.breaches": float(len(audited["breaches"])),
-                        "audit.gold_min": audited["gold_min"],
-                        **{f"audit.{k}": float(found[k]) for k in ("false_reward", "missed_reward") if k in found}})
+    recorder.metrics({"audit.exploits": float(audited["exploits"]), "audit.breaches": float(len(audited["breaches"])),
+                      "audit.gold_min": audited["gold_min"],
+                      **{f"audit.{k}": float(found[k]) for k in ("false_reward", "missed_reward") if k in found}})
     verdict = "passed" if audited["passed"] else ("refused" if audited["action"] == "refuse" else "warned")
-    mlflow.set_tag("posttrain.audit", verdict)
+    recorder.tag("posttrain.audit", verdict)
 
 
 def refuse_audit(config_path: str, config, name: str, audited: dict) -> None:
@@ -221,9 +221,10 @@ def train_job(config, job: dict) -> dict:
                           processing_class=tokenizer, peft_config=lora_config(f"{field}.peft", stage.peft),
                           **episodes)
     counts = freeze(trainer.model, stage.trainable, f"{field}.trainable") if stage.trainable else {}
-    log_to_mlflow(trainer)
+    recorder = Recorder.active()  # the stage's run, on the rank that logs (posttrain.runtime.launch)
+    recorder.follow(trainer)
     seconds, resumed = train(trainer, run_dir)
-    save_model(trainer, job["out_dir"])
+    save_model(trainer, job["out_dir"], recorder)
     logs = [e for e in trainer.state.log_history if "reward" in e]
     curve = [{"step": e["step"], "reward": e["reward"], "frac_reward_zero_std": e["frac_reward_zero_std"],
               **{k.split("/")[1]: e[k] for k in e if k.startswith("rewards/") and k.endswith("/mean")}}
@@ -241,7 +242,7 @@ KL_MAX_BYTES = 4 << 30  # a larger checkpoint is not loaded twice more on the st
 
 
 def diagnose(config, stage, name: str, init_dir: str, out_dir: str, rows: list[dict], curve: list[dict],
-             layers_path: str) -> dict[str, float]:
+             layers_path: str, recorder: Recorder) -> dict[str, float]:
     """Why the stage learned or did not (posttrain.training.diagnostics): the relative weight
     change of each layer (`layers_path`, a plot by layer in MLflow), the KL of the trained
     policy to its start on its own samples of training prompts, and the share of groups
@@ -251,8 +252,8 @@ def diagnose(config, stage, name: str, init_dir: str, out_dir: str, rows: list[d
 
     layers = weight_change_by_layer(init_dir, out_dir)
     write_json(layers_path, layers)
-    mlflow.log_dict(layers, f"weight_change_{name}.json")
-    plot_layers(layers, name)
+    recorder.dict(layers, f"weight_change_{name}.json")
+    plot_layers(layers, name, recorder)
     figures = {**change_figures(layers), "gradient_share": gradient_share(curve)}
     if sum(p.stat().st_size for p in Path(out_dir).glob("*.safetensors")) <= KL_MAX_BYTES:
         figures["kl_to_start"] = kl_to_start(init_dir, out_dir, [r["prompt"] for r in rows[:KL_PROMPTS]],
@@ -269,18 +270,18 @@ def gate_metrics(candidate: dict, decision, k: int) -> dict:
             **{f"gate_p_{name}": p for name, p in (decision.p_values or {}).items()}}
 
 
-def record(name, metrics, decision, curve, metrics_path, curve_path) -> None:
-    """Metrics to MLflow and metrics/, the gate's verdict as tags, loud warnings."""
-    mlflow.log_metrics({f"stage.{k}": v for k, v in flatten(metrics).items()})
+def record(name, metrics, decision, curve, metrics_path, curve_path, recorder: Recorder) -> None:
+    """Metrics to the stage's run and metrics/, the gate's verdict as tags, loud warnings."""
+    recorder.metrics(metrics, prefix="stage.")
     tags = {"posttrain.scoring.gate": "accepted" if decision.accepted else "rejected", "posttrain.gate_reason": decision.reason}
     if metrics.get("frac_reward_zero_std_mean", 0.0) > ZERO_STD_WARNING:
         warning = (f"stage {name}: {metrics['frac_reward_zero_std_mean']:.0%} of groups had zero reward variance "
                    "(no gradient); widen the pass-rate band, add a denser reward channel, or change temperature")
         print(f"posttrain: WARNING: {warning}", flush=True)
         tags["posttrain.warning.zero_std"] = warning
-    report_timeouts(f"stage {name}", metrics)
+    report_timeouts(f"stage {name}", metrics, recorder)
     print(f"posttrain: gate {tags['posttrain.scoring.gate']} stage {name}: {decision.reason}", flush=True)
-    mlflow.set_tags(tags)
+    recorder.tags(tags)
     write_json(metrics_path, metrics)
     write_json(curve_path, curve)
 
@@ -300,12 +301,12 @@ def prompts_per_step(config, stage, stage_id) -> int:
     return max(1, batch * option("gradient_accumulation_steps") // option("num_generations"))
 
 
-def pass_through(init_dir, out_dir, metrics_path, curve_path, layers_path, reason: str,
+def pass_through(init_dir, out_dir, metrics_path, curve_path, layers_path, recorder: Recorder, reason: str,
                  metrics: dict | None = None) -> dict[str, float]:
     """Output the model unchanged, untrained: an earlier stage was rejected with
     `on_reject: stop`, or the filter left too few prompts for one step."""
     shutil.copytree(init_dir, out_dir)
-    mlflow.set_tags({"posttrain.scoring.gate": "skipped", "posttrain.gate_reason": reason})
+    recorder.tags({"posttrain.scoring.gate": "skipped", "posttrain.gate_reason": reason})
     metrics = {**(metrics or {}), "skipped": 1.0, "accepted": 0.0}
     write_json(metrics_path, metrics)
     write_json(curve_path, [])

@@ -10,8 +10,6 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import mlflow
-
 from posttrain.chat import load_tokenizer, render, tool_ready
 from posttrain.envs import config_env
 from posttrain.envs.tools import is_tool_env, tool_schemas
@@ -20,11 +18,11 @@ from posttrain.ingest import extra_rows
 from posttrain.layout import BASE_POINTER
 from posttrain.tracking.lineage import log_datasets, workspace_datasets
 from posttrain.training.tiny_model import save_tiny_model
-from posttrain.tracking.mlflow_runs import compute, log_json_artifact, stage_run
+from posttrain.tracking.mlflow_runs import compute, stage_run
 
 
 def main(config, *, data_dir: str, datasets_dir: str, model_dir: str, metrics_path: str) -> dict[str, float]:
-    with stage_run(config, "prepare"):
+    with stage_run(config, "prepare") as recorder:
         log_datasets(workspace_datasets(".", data_dir="", datasets_dir=datasets_dir))  # the versioned batches
         with compute("data"):
             env = config_env(config.data)
@@ -42,9 +40,9 @@ def main(config, *, data_dir: str, datasets_dir: str, model_dir: str, metrics_pa
         metrics = {f"{name}_rows": float(len(rows)) for name, rows in splits.items()}
         metrics["datasets_rows"] = float(added)
         metrics["base_params"] = float(params)
-        mlflow.log_params({"env": config.data.env, **{f"data.{k}": v for k, v in config.data.options.items()}})
-        mlflow.log_metrics(metrics)
-        log_json_artifact(manifest, "data_manifest.json")
+        recorder.params({"env": config.data.env, **{f"data.{k}": v for k, v in config.data.options.items()}})
+        recorder.metrics(metrics)
+        recorder.json(manifest, "data_manifest.json")
         write_json(metrics_path, metrics)
     return metrics
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 
-import mlflow
 
 from posttrain.capacity import kv
 from posttrain.envs import config_env
@@ -22,7 +21,8 @@ from posttrain.files import read_jsonl, write_json
 from posttrain.capacity.kv import capacity, concurrency_by_context, kv_spec, load_config_json, paging
 from posttrain.layout import final_model_dir, resolve_model_dir
 from posttrain.capacity.profiles import load_gpu_profile
-from posttrain.tracking.mlflow_runs import compute, log_json_artifact, stage_run
+from posttrain.tracking.mlflow_runs import compute, stage_run
+from posttrain.tracking.recorder import Recorder
 
 
 CONTEXTS = [2**i for i in range(9, 18)]  # 512 .. 131,072 tokens: the concurrency plot's x axis
@@ -94,8 +94,8 @@ def check_slo(model_dir: str, serving, gpus_path: str, episode_tokens: int | Non
     return {"slo_sessions": sessions, "slo_min_sessions": slo.min_sessions}
 
 
-def concurrency_plot(model_dir: str, serving, profile: dict, plot_path: str) -> None:
-    """Concurrent sessions against context length: JSON for DVC, a PNG in MLflow."""
+def concurrency_plot(model_dir: str, serving, profile: dict, plot_path: str, recorder: Recorder) -> None:
+    """Concurrent sessions against context length: JSON for DVC, a PNG in the stage's run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,7 +110,7 @@ def concurrency_plot(model_dir: str, serving, profile: dict, plot_path: str) -> 
     ax.set(xlabel="context length (tokens)", ylabel="max concurrent sessions",
            title=f"{serving.gpu}, {serving.kv_dtype} KV, TP={serving.tensor_parallel_size}")
     ax.grid(True, which="both", alpha=0.3)
-    mlflow.log_figure(fig, "serving_concurrency.png")
+    recorder.figure(fig, "serving_concurrency.png")
     plt.close(fig)
 
 
@@ -191,22 +191,22 @@ def replay_sessions(config, model_dir: str, data_dir: str, env, predicted_tokens
             "max_tokens": episode_cap(config), "limits": tool_limits(config), "predicted_tokens": predicted_tokens}
 
 
-def vllm_or_warn(model_dir: str, serving, data_dir: str, sessions=None) -> dict:
+def vllm_or_warn(model_dir: str, serving, data_dir: str, recorder: Recorder, sessions=None) -> dict:
     """`check_with_vllm`'s figures; a loud tag for each part that is off or cannot run."""
     tags = {"posttrain.vllm_engine.check": "disabled in config (serving.vllm_check.enabled)",
             "posttrain.load_test": "disabled in config (serving.load_test.enabled)"}
     enabled = {"posttrain.vllm_engine.check": serving.vllm_check.enabled, "posttrain.load_test": serving.load_test.enabled}
     if not any(enabled.values()):
-        mlflow.set_tags(tags)
+        recorder.tags(tags)
         return {}
     if importlib.util.find_spec("vllm") is None:
         print("posttrain: WARNING: vLLM is not installed: the KV prediction is not checked", flush=True)
-        mlflow.set_tags({tag: "vllm not installed" if on else tags[tag] for tag, on in enabled.items()})
+        recorder.tags({tag: "vllm not installed" if on else tags[tag] for tag, on in enabled.items()})
         return {}
     with compute("vllm"):  # start, capacity check, load test
         report = check_with_vllm(model_dir, serving, [r["prompt"] for r in read_jsonl(f"{data_dir}/heldout.jsonl")],
                                  sessions() if sessions else None)
-    mlflow.set_tags({"posttrain.vllm_engine.check": "matched" if enabled["posttrain.vllm_engine.check"] else tags[
+    recorder.tags({"posttrain.vllm_engine.check": "matched" if enabled["posttrain.vllm_engine.check"] else tags[
         "posttrain.vllm_engine.check"], "posttrain.load_test": "passed" if enabled["posttrain.load_test"] else tags[
         "posttrain.load_test"]})
     return report
@@ -215,25 +215,24 @@ def vllm_or_warn(model_dir: str, serving, data_dir: str, sessions=None) -> dict:
 def main(config, *, data_dir: str, models_dir: str, gpus_path: str, report_path: str, metrics_path: str,
          plot_path: str) -> dict[str, float]:
     profile = load_gpu_profile(gpus_path, config.serving.gpu)
-    with stage_run(config, "serving"):
+    with stage_run(config, "serving") as recorder:
         model_dir = resolve_model_dir(final_model_dir(config, models_dir))
         report = predict(model_dir, config.serving, profile)
-        concurrency_plot(model_dir, config.serving, profile, plot_path)
+        concurrency_plot(model_dir, config.serving, profile, plot_path, recorder)
         env, sessions = config_env(config.data), None
         if is_tool_env(env):  # a session is a whole episode: sized, and replayed turn by turn
             spec, _, kv_memory = kv_memory_for(model_dir, config.serving, profile)
             report.update(episode_sizing(model_dir, config, data_dir, (spec, kv_memory, config.serving.block_size)))
             sessions = functools.partial(replay_sessions, config, model_dir, data_dir, env, report["episode_max_tokens"])
-        report.update(vllm_or_warn(model_dir, config.serving, data_dir, sessions))
-        mlflow.log_table({"field": list(report), "value": [str(v) for v in report.values()]},
-                         artifact_file="serving_report_table.json")
+        report.update(vllm_or_warn(model_dir, config.serving, data_dir, recorder, sessions))
+        recorder.table({"field": list(report), "value": [str(v) for v in report.values()]}, "serving_report_table.json")
         report.update(check_slo(model_dir, config.serving, gpus_path, report.get("episode_max_tokens")))
         metrics = {k: float(v) for k, v in report.items() if isinstance(v, (int, float))}
-        mlflow.log_params({"gpu": config.serving.gpu, "context_length": config.serving.context_length,
-                           "tensor_parallel_size": config.serving.tensor_parallel_size,
-                           "kv_dtype": config.serving.kv_dtype})
-        mlflow.log_metrics(metrics)
-        log_json_artifact(report, "serving_report.json")
+        recorder.params({"gpu": config.serving.gpu, "context_length": config.serving.context_length,
+                         "tensor_parallel_size": config.serving.tensor_parallel_size,
+                         "kv_dtype": config.serving.kv_dtype})
+        recorder.metrics(metrics)
+        recorder.json(report, "serving_report.json")
         write_json(report_path, report)
         write_json(metrics_path, metrics)
     return metrics

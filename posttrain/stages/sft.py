@@ -15,8 +15,6 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import mlflow
-
 from posttrain.training import checkpoints
 from posttrain.capacity import fit
 from posttrain.runtime import launch
@@ -29,9 +27,10 @@ from posttrain.files import read_jsonl, write_json
 from posttrain.layout import PARAMS_FILE, resolve_model_dir, write_card
 from posttrain.tracking.lineage import log_datasets
 from posttrain.training.stopping import StopOnTarget, carve_validation, validation_curve
-from posttrain.tracking.mlflow_runs import compute, flatten, stage_run
+from posttrain.tracking.mlflow_runs import compute, stage_run
+from posttrain.tracking.recorder import Recorder
 from posttrain.training.trainable import freeze
-from posttrain.training.trainer import gate_evaluation, gate_figures, log_to_mlflow, lora_config, save_model, train
+from posttrain.training.trainer import gate_evaluation, gate_figures, lora_config, save_model, train
 
 
 def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: str,
@@ -44,8 +43,8 @@ def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: 
     contract = check_format_contract(env, rows, where=str(train_path))  # before any run or compute
     rows, validation = split_validation(config, rows)
     memory = fit.checked_plan(config, "sft", config_path=config_path)  # a stage that cannot fit stops here
-    with stage_run(config, "sft"):
-        fit.log_plan(memory)
+    with stage_run(config, "sft") as recorder:
+        fit.log_plan(memory, recorder)
         log_datasets({str(train_path): "training", f"{data_dir}/heldout.jsonl": "evaluation"})
         base = resolve_model_dir(base_dir)
         # a checkpoint resumes only under the same launcher (world size, sharding)
@@ -66,10 +65,10 @@ def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: 
                    "train_loss": next((e["train_loss"] for e in reversed(trained["log_history"])
                                        if "train_loss" in e), 0.0),
                    "format_contract": contract, **trained.get("counts", {}),
-                   **stop_metrics(config, curve, trained["steps"], trained["measuring"]),
+                   **stop_metrics(config, curve, trained["steps"], trained["measuring"], recorder),
                    **gate_figures(evaluation, config.gate.k)}
-        report_timeouts("stage sft", add_timeout_counts(metrics, env))  # the gate's matches cut at a limit
-        mlflow.log_metrics({f"stage.{k}": v for k, v in flatten(metrics).items()})
+        report_timeouts("stage sft", add_timeout_counts(metrics, env), recorder)  # the gate's matches cut at a limit
+        recorder.metrics(metrics, prefix="stage.")
         write_json(metrics_path, metrics)
         write_json(curve_path, curve)
     return metrics
@@ -78,12 +77,12 @@ def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: 
 def off(config, out_dir: str, metrics_path: str, curve_path: str) -> dict[str, float]:
     """`sft: off`: no warmup, no model; the output folder holds the card that says so (DVC
     keeps it as the stage's output, so the graph is the same with or without a warmup)."""
-    with stage_run(config, "sft"):
-        mlflow.set_tag("posttrain.sft", "off: the first GRPO stage starts from the base model")
+    with stage_run(config, "sft") as recorder:
+        recorder.tag("posttrain.sft", "off: the first GRPO stage starts from the base model")
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         write_card(out_dir, {"stage": "sft", "off": True})
         metrics = {"off": 1.0}
-        mlflow.log_metrics({f"stage.{k}": v for k, v in metrics.items()})
+        recorder.metrics(metrics, prefix="stage.")
         write_json(metrics_path, metrics)
         write_json(curve_path, [])
     return metrics
@@ -116,7 +115,8 @@ def train_job(config, job: dict) -> dict:
     trainer = SFTTrainer(model=base, args=args, train_dataset=dataset, processing_class=tokenizer,
                          peft_config=lora_config("sft.peft", config.sft.peft))
     counts = freeze(trainer.model, config.sft.trainable, "sft.trainable") if config.sft.trainable else {}
-    log_to_mlflow(trainer)
+    recorder = Recorder.active()  # the stage's run, on the rank that logs (posttrain.runtime.launch)
+    recorder.follow(trainer)
     stop, stopper = config.sft.stop_when, None
     if stop is not None:
         # Trainer.log, not SFTTrainer.log: TRL's override would take the token-accuracy averages it logs next
@@ -125,12 +125,12 @@ def train_job(config, job: dict) -> dict:
                                max_new_tokens=config.evaluate.max_new_tokens, log=functools.partial(Trainer.log, trainer))
         trainer.add_callback(stopper)
     seconds, resumed = train(trainer, run_dir)
-    save_model(trainer, job["out_dir"])
+    save_model(trainer, job["out_dir"], recorder)
     return {"log_history": trainer.state.log_history, "steps": trainer.state.global_step, "seconds": seconds,
             "resumed": resumed, "measuring": stopper.seconds if stopper else 0.0, "counts": counts}
 
 
-def stop_metrics(config, curve: list[dict], steps: int, measuring: float) -> dict[str, float]:
+def stop_metrics(config, curve: list[dict], steps: int, measuring: float, recorder: Recorder) -> dict[str, float]:
     """Where `stop_when` stopped: the step, whether the target was reached, the last value.
     A warmup that hit the cap first says so, loudly: GRPO then starts from a weaker model."""
     stop = config.sft.stop_when
@@ -138,7 +138,7 @@ def stop_metrics(config, curve: list[dict], steps: int, measuring: float) -> dic
         return {}
     last = curve[-1]["greedy_accuracy"] if curve else 0.0
     reached = last >= stop.greedy_accuracy
-    mlflow.set_tag("posttrain.sft_stop", f"target {stop.greedy_accuracy} {'reached' if reached else 'NOT reached'}"
+    recorder.tag("posttrain.sft_stop", f"target {stop.greedy_accuracy} {'reached' if reached else 'NOT reached'}"
                                          f" at step {steps} (validation greedy {last:.3f})")
     if not reached:
         print(f"posttrain: WARNING: sft.stop_when: validation greedy accuracy {last:.3f} at the cap (step {steps}) "

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import json
 import os
 import re
 import subprocess
@@ -18,6 +17,7 @@ import time
 from pathlib import Path
 
 from posttrain.redact import redact_uri
+from posttrain.tracking.recorder import Recorder, flatten
 from posttrain.stageid import known
 
 # The evaluate stage's per-prompt held-out outcomes (dvc.yaml), logged to each parent run
@@ -147,7 +147,8 @@ def compute(part: str):
 
 @contextlib.contextmanager
 def stage_run(config, stage: str, workspace: str | Path = "."):
-    """The MLflow run of one stage, active for the duration of the block.
+    """The MLflow run of one stage, active for the duration of the block; the block gets
+    its `Recorder`.
 
     Resumes the flow's child run when `MLFLOW_RUN_ID` is set. The variable is then
     removed from this process so transformers' MLflow callback logs into the active
@@ -157,14 +158,14 @@ def stage_run(config, stage: str, workspace: str | Path = "."):
 
     exp = experiment_id(config, workspace)
     run_id = os.environ.pop("MLFLOW_RUN_ID", None)
-    run = mlflow.start_run(run_id=run_id) if run_id else mlflow.start_run(experiment_id=exp, run_name=stage)
+    mlflow.start_run(run_id=run_id) if run_id else mlflow.start_run(experiment_id=exp, run_name=stage)
     mlflow.set_tags({"posttrain.stage": stage, "posttrain.executed": "true"})
     if not run_id:
         mlflow.set_tags(provenance(config, workspace))
     status = "FAILED"
     _compute.clear()
     try:
-        yield run
+        yield Recorder()
         status = "FINISHED"
     finally:
         if _compute:
@@ -236,12 +237,6 @@ def provenance(config, workspace: str | Path = ".") -> dict[str, str]:
             **package_versions()}
 
 
-def log_json_artifact(data, artifact_path: str) -> None:
-    import mlflow
-
-    mlflow.log_text(json.dumps(data, indent=2, sort_keys=True, default=str), artifact_path)
-
-
 def run_outcomes(run_id: str) -> dict | None:
     """A parent run's per-prompt held-out outcomes (model -> outcomes), None without them."""
     import mlflow
@@ -254,25 +249,6 @@ def run_outcomes(run_id: str) -> dict | None:
 
 
 # --- metric and param names ----------------------------------------------------------
-def flatten(metrics: dict, prefix: str = "") -> dict[str, float]:
-    """`{"a": {"b": 1}}` -> `{"a.b": 1.0}`: nested metrics as MLflow metric names. An
-    interval `[low, high]` becomes `name.low` and `name.high`; other lists are left out."""
-    flat = {}
-    for key, value in metrics.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{name}."))
-        elif isinstance(value, list) and len(value) == 2 and all(_is_number(v) for v in value):
-            flat[f"{name}.low"], flat[f"{name}.high"] = float(value[0]), float(value[1])
-        elif _is_number(value):
-            flat[name] = float(value)
-    return flat
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def run_metrics(results: dict[str, dict]) -> dict[str, float]:
     """Stage name -> its metrics files' content, as the parent run's metric names
     (`grpo@dense` -> `grpo.dense.*`: MLflow names allow no '@')."""

@@ -127,19 +127,18 @@ def explain(metrics: dict) -> str:
     return ""
 
 
-def plot_layers(layers: list[dict], stage: str) -> None:
-    """The relative weight change by layer, a bar per layer group, as an MLflow figure (DVC
-    plots the same from the stage's JSON)."""
+def plot_layers(layers: list[dict], stage: str, recorder) -> None:
+    """The relative weight change by layer, a bar per layer group, as a figure in the stage's
+    run (`recorder`; DVC plots the same from the stage's JSON)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import mlflow
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.bar([l["layer"] for l in layers], [l["relative_change"] for l in layers], color="tab:blue")
     ax.set(xlabel="layer", ylabel="||ΔW|| / ||W||", title=f"grpo@{stage}: where the weights moved")
     ax.tick_params(axis="x", labelsize=7, rotation=90)
     ax.grid(axis="y", alpha=0.3)
-    mlflow.log_figure(fig, f"weight_change_{stage}.png")
+    recorder.figure(fig, f"weight_change_{stage}.png")
     plt.close(fig)

@@ -67,18 +67,6 @@ def step_progress():
     return StepProgress()
 
 
-def log_to_mlflow(trainer) -> None:
-    """The trainer's logs (loss, rewards, KL, TRL's `step_time`) to the active MLflow run,
-    by transformers' MLflow callback added as a callback: the stages build their TRL
-    config with `report_to=[]`. With "mlflow" in `report_to`, TRL also logs a timing to
-    MLflow for every profiled call (generation, each reward function, the loss: several a
-    step), each a round trip to the tracking store: 6% of a default GRPO step on SQLite,
-    and more with MLflow's asynchronous logging (bench/grpo_throughput.py)."""
-    from transformers.integrations import MLflowCallback
-
-    trainer.add_callback(MLflowCallback)
-
-
 ADAPTER_DIR = "adapter"  # inside a LoRA stage's model folder: the adapter the merged model was made from
 
 
@@ -92,9 +80,9 @@ def lora_config(where: str, options: dict | None):
     return build_lora_config(where, options)
 
 
-def save_model(trainer, out_dir: str) -> None:
+def save_model(trainer, out_dir: str, record) -> None:
     """The trained model into `out_dir`. A LoRA stage saves its adapter to
-    `<out_dir>/adapter` (also logged to the stage's MLflow run) and the base model with
+    `<out_dir>/adapter` (also to `record`, the stage's run) and the base model with
     the adapter merged in to `out_dir`: what later stages, evaluation and vLLM load.
     In a launched job every rank calls this (DeepSpeed and FSDP gather the weights
     together); only the main one writes."""
@@ -107,14 +95,11 @@ def save_model(trainer, out_dir: str) -> None:
         return
     if not trainer.args.should_save:
         return
-    import mlflow
-
     adapter = Path(out_dir) / ADAPTER_DIR
     model.save_pretrained(adapter)
     model.merge_and_unload().save_pretrained(out_dir)
     trainer.processing_class.save_pretrained(out_dir)
-    if mlflow.active_run():
-        mlflow.log_artifacts(str(adapter), ADAPTER_DIR)
+    record.artifacts(adapter, ADAPTER_DIR)
 
 
 def gate_evaluation(model_dir: str, env, config, data_dir: str) -> dict:
