@@ -76,7 +76,7 @@ def run_workspace(args) -> None:
 
 def early_stage_host(workdir: str):
     """The run's stage host, started before the checks when the workspace exists already:
-    it imports TRL and torch for the config check (flows.checks.checked_in_host) and goes
+    it imports TRL and torch for the config check (tasks.checks.checked_in_host) and goes
     on with the stages' imports while Prefect starts (the flow starts one otherwise)."""
     import contextlib
 
@@ -180,7 +180,7 @@ def finished_in_store(workdir: str, config, uri: str) -> tuple[str, str] | None:
 
 
 def servers_and_config(command: str, config_path: str, *, temporary_prefect: bool):
-    """The config, checked whole (flows.checks), once the MLflow and Prefect servers the
+    """The config, checked whole (tasks.checks), once the MLflow and Prefect servers the
     command will use have answered: those the environment names first (a dead one costs
     minutes of retries later, after the workspace is written), then those of the config
     and the Prefect profile."""
@@ -201,13 +201,13 @@ def servers_and_config(command: str, config_path: str, *, temporary_prefect: boo
 
 
 def checked_meanwhile(config_path: str) -> str | None:
-    """The run's check by its stage host (flows.checks.checked_in_host), while this
+    """The run's check by its stage host (tasks.checks.checked_in_host), while this
     process imports the flow and starts Prefect's temporary server (4 s on 2 cores): the
     host's imports keep one core busy, this process would wait on the other. A refused
     config ends the run before any flow run exists (the server ends with the process)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from flows.checks import checked_in_host
+    from tasks.checks import checked_in_host
 
     with ThreadPoolExecutor(1) as pool:
         checked = pool.submit(checked_in_host, config_path)

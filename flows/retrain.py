@@ -13,19 +13,13 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.checks import check_workspace
 from flows.lock import lock
-from posttrain import stageid
-from posttrain.tracking import summary
-from posttrain.config import load_config
-from posttrain.layout import PARAMS_FILE
-from posttrain.plugins import workspace
-from posttrain.tracking.mlflow_runs import forget_finished, nothing_to_do, record_finished, tracking_uri
+from tasks.checks import check_workspace
 from tasks.data import previous_result, version_data
-from tasks.dvc_stages import own_model_prefix, pipeline_stage, push_data, stage_host, stage_order
+from tasks.dvc_stages import final_model, greedy_so_far, pipeline_stage, push_data, stage_host, stage_order
 from tasks.dead_runs import mark_dead_runs
-from tasks.runs import (close_run, gate_tags, open_parent_run, plan_memory, promote_model, publish_summary,
-                        read_outcomes, record_results)
+from tasks.runs import (close_run, forget_finished, open_parent_run, plan_memory, promote_model, publish_summary,
+                        read_outcomes, record_finished, record_results, summary_text, unchanged, workspace_config)
 
 
 @flow(name="retrain")
@@ -43,21 +37,16 @@ def retrain(workdir: str = ".", checked: bool = False) -> dict:
     logger = get_run_logger()
     workdir = str(Path(workdir).resolve())
     # what the config names by path or import (custom/) is the workspace's, as in its stages
-    with lock(workdir, log=logger.warning), stage_host(workdir), workspace(workdir):
-        config = load_config(Path(workdir) / PARAMS_FILE)
+    with lock(workdir, log=logger.warning), stage_host(workdir), workspace_config(workdir) as (config, uri):
         if not checked:
-            check_workspace(workdir, Path(workdir) / PARAMS_FILE)
-        uri = tracking_uri(config, workdir)
+            check_workspace(workdir)
         mark_dead_runs(workdir, uri)
         added = version_data(workdir, config)
         if added:  # pushed now: the batch has left incoming/, the remote must hold it whatever follows
             logger.info(f"versioned new data: {', '.join(added)}; {push_data(workdir, added)}")
         previous = None if added else previous_result(workdir, config, uri)
         if previous:
-            run_id, experiment = previous
-            record_finished(workdir, run_id, experiment, uri)  # the next no-op run needs no MLflow
-            text = nothing_to_do(run_id, experiment, uri)
-            results = {"nothing_to_do": True, "previous_run": run_id}
+            results, text = unchanged(workdir, previous, uri)
         else:
             results, text = run_pipeline(config, workdir, uri)
     publish_summary(text)
@@ -77,9 +66,7 @@ def run_pipeline(config, workdir: str, uri: str) -> tuple[dict, str]:
             results[stage["name"]] = stage_results(config, stage, workdir, run_id, uri, before=greedy_so_far(results))
         metrics = record_results(run_id, workdir, uri, results)
         get_run_logger().info(push_data(workdir))
-        text = summary.render(results.get("evaluate", {}), results.get("serving", {}), config.serving.gpu,
-                              run_id, uri, experiment)
-        text += "\n\n" + summary.gates_line(gate_tags(results), results)
+        text = summary_text(config, results, run_id, uri, experiment)
         if config.promotion.enabled:
             promotion = promote_model(config, run_id, uri, final_model(config, stages, workdir), metrics,
                                       results.get("serving", {}), read_outcomes(workdir))
@@ -98,20 +85,3 @@ def stage_results(config, stage: dict, workdir: str, parent_run_id: str, uri: st
     retries = config.orchestration.retries
     task = pipeline_stage.with_options(retries=retries, retry_delay_seconds=config.orchestration.retry_delay_seconds)
     return task(stage, workdir, parent_run_id, uri, allowed_retries=retries, before=before)
-
-
-def greedy_so_far(results: dict[str, dict]) -> float | None:
-    """The held-out greedy accuracy of the chain's latest model (SFT's, then each accepted
-    GRPO candidate's): what the next GRPO stage starts from, for its end-of-stage line."""
-    greedy = None
-    for name, metrics in results.items():
-        prefix = own_model_prefix(name, metrics)
-        if prefix is not None:
-            greedy = metrics.get(f"{prefix}greedy_accuracy", greedy)
-    return greedy
-
-
-def final_model(config, stages: list[dict], workdir: str) -> str:
-    """The pipeline's result: the model folder the last GRPO stage outputs, as dvc.yaml names it."""
-    last = stageid.final(config).dvc
-    return str(Path(workdir) / next(s["outs"][0] for s in stages if s["name"] == last))

@@ -47,7 +47,7 @@ def build_parser(add_commands=None) -> argparse.ArgumentParser:
     check.add_argument("--config", required=True)
     check.add_argument("--elsewhere", action="store_true", help="for another machine (a GPU cluster): leave out "
                        "the checks of this machine's GPUs, installed versions and servers")
-    # how a stage host answers flows.checks.checked_in_host: the outcome as one JSON line
+    # how a stage host answers tasks.checks.checked_in_host: the outcome as one JSON line
     check.add_argument("--as-json", action="store_true", help=argparse.SUPPRESS)
     audit = sub.add_parser("audit", help="score each GRPO stage's reward on completions built to game it")
     audit.add_argument("--config", required=True)
@@ -218,7 +218,7 @@ def dispatch(args) -> int:
 
 def check_config(args) -> int:
     """`posttrain check`. With the hidden --as-json (a stage host's answer to
-    flows.checks.checked_in_host) the outcome, or the refusal, is one JSON line on stdout."""
+    tasks.checks.checked_in_host) the outcome, or the refusal, is one JSON line on stdout."""
     try:
         fits = full_check(args.config, here=not args.elsewhere)
     except UserError as err:

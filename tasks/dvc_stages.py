@@ -17,6 +17,7 @@ from posttrain.tracking import summary
 from posttrain.errors import StageFailed
 from posttrain.files import read_json
 from posttrain.redact import redact_text
+from posttrain import stageid
 from posttrain.stageid import kind_of, known
 from posttrain.tracking.mlflow_runs import flatten, stage_outputs
 from posttrain.workspace import stage_env, tool_path
@@ -255,3 +256,20 @@ def push_data(workdir: str, targets: list[str] | None = None) -> str:
     if done.returncode != 0:
         raise RuntimeError(f"dvc push failed: {done.stderr.strip()[-500:]}")
     return f"pushed to DVC remote {remote.stdout.strip()!r}"
+
+
+def greedy_so_far(results: dict[str, dict]) -> float | None:
+    """The held-out greedy accuracy of the chain's latest model (SFT's, then each accepted
+    GRPO candidate's): what the next GRPO stage starts from, for its end-of-stage line."""
+    greedy = None
+    for name, metrics in results.items():
+        prefix = own_model_prefix(name, metrics)
+        if prefix is not None:
+            greedy = metrics.get(f"{prefix}greedy_accuracy", greedy)
+    return greedy
+
+
+def final_model(config, stages: list[dict], workdir: str) -> str:
+    """The pipeline's result: the model folder the last GRPO stage outputs, as dvc.yaml names it."""
+    last = stageid.final(config).dvc
+    return str(Path(workdir) / next(s["outs"][0] for s in stages if s["name"] == last))

@@ -3,6 +3,7 @@ ran, record the results, promote the model, close the run; and publish the summa
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -15,9 +16,39 @@ from posttrain.stageid import known
 from posttrain.layout import PARAMS_FILE
 from posttrain.tracking.lineage import log_datasets, workspace_datasets
 from posttrain.redact import redact_uri
-from posttrain.tracking.mlflow_runs import (OUTCOMES_ARTIFACT, dvc_lock_hashes, experiment_id, flatten_params, provenance, run_metrics,
-                                run_url)
+from posttrain.tracking import summary
+from posttrain.tracking.mlflow_runs import (OUTCOMES_ARTIFACT, dvc_lock_hashes, experiment_id, flatten_params,
+                                            nothing_to_do, provenance, record_finished, run_metrics, run_url,
+                                            tracking_uri)
+from posttrain.tracking.mlflow_runs import forget_finished  # noqa: F401  (the flow's: a run no longer finished)
 from tasks.dvc_stages import TASK_DEFAULTS
+
+
+@contextlib.contextmanager
+def workspace_config(workdir: str):
+    """The workspace's config and its tracking URI, for the block, with what the config names
+    by path or import (custom/) resolved in the workspace, as in its stages."""
+    from posttrain.config import load_config
+    from posttrain.plugins import workspace
+
+    with workspace(workdir):
+        config = load_config(Path(workdir) / PARAMS_FILE)
+        yield config, tracking_uri(config, workdir)
+
+
+def unchanged(workdir: str, previous: tuple[str, str], uri: str) -> tuple[dict, str]:
+    """Nothing changed since run `previous` (id, experiment) finished: the run's results and
+    the line that says so; recorded in the workspace, so the next no-op run needs no MLflow."""
+    run_id, experiment = previous
+    record_finished(workdir, run_id, experiment, uri)
+    return {"nothing_to_do": True, "previous_run": run_id}, nothing_to_do(run_id, experiment, uri)
+
+
+def summary_text(config, results: dict, run_id: str, uri: str, experiment: str) -> str:
+    """The run's summary (posttrain.tracking.summary): figures, serving capacity, the gates."""
+    text = summary.render(results.get("evaluate", {}), results.get("serving", {}), config.serving.gpu,
+                          run_id, uri, experiment)
+    return text + "\n\n" + summary.gates_line(gate_tags(results), results)
 
 
 def client(uri: str):

@@ -21,7 +21,7 @@ import yaml
 
 from conftest import REPO, SMALL, make_workspace, sh
 from hardening import assert_refused, cli
-from posttrain.runtime.launch import weights_digest
+from posttrain.runtime.launch import import_path, resolve, weights_digest
 from posttrain.runtime.host_checks import vllm_problem
 
 ACCELERATE_CONFIGS = sorted((REPO / "infra" / "accelerate").glob("*.yaml"))
@@ -267,3 +267,16 @@ def test_vllm_generation_is_refused_here_before_any_compute(tmp_path):
         "trl": {"use_vllm": True, "vllm_mode": "server"}}}}))
     assert_refused(cli("check", "--config", config, cwd=tmp_path), "grpo.dense.trl.use_vllm", "CUDA")
     assert cli("check", "--config", config, "--elsewhere", cwd=tmp_path).returncode == 0
+
+
+def test_a_stage_hands_the_launcher_its_function_and_a_rank_finds_it_by_name():
+    from posttrain.stages import grpo, sft
+
+    for stage in (sft, grpo):
+        assert resolve(import_path(stage.train_job)) is stage.train_job
+
+    def nested(config, job):
+        return {}
+
+    with pytest.raises(ValueError, match="not a module-level function"):
+        import_path(nested)

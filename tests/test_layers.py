@@ -157,3 +157,11 @@ def test_mlflow_is_imported_only_by_tracking():
                    and not name.startswith("posttrain.tracking"))
     assert found == []
     assert "mlflow" in imported("posttrain.tracking.recorder", known["posttrain.tracking.recorder"], known)
+
+
+def test_the_retrain_flow_only_chains_tasks():
+    """flows/retrain.py imports Prefect, the run lock and tasks/, nothing of the library: what
+    it does beyond calling tasks in order lives in tasks/."""
+    found = imported("flows.retrain", REPO / "flows" / "retrain.py", modules())
+    assert sorted(name for name in found if name.split(".")[0] == "posttrain") == []
+    assert {name.split(".")[0] for name in found} <= {"__future__", "pathlib", "prefect", "flows", "tasks"}

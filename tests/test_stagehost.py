@@ -83,7 +83,7 @@ def test_what_the_host_cannot_run_alike_runs_in_its_own_process(workspace):
 
 
 CHECK = """import json, sys
-from flows.checks import checked_in_host
+from tasks.checks import checked_in_host
 from posttrain.errors import UserError
 try:
     print(json.dumps({"fits": checked_in_host(sys.argv[1])}))

@@ -82,12 +82,13 @@ def launch_env() -> dict[str, str]:
     return env
 
 
-def train(config, stage: str, function: str, job: dict) -> dict:
-    """Run `function(config, job)` (an import path `module:name`) under the stage's launcher;
-    its result (JSON), plus `world_size`. `job["run_dir"]` holds the launch files."""
+def train(config, stage: str, function, job: dict) -> dict:
+    """Run `function(config, job)` (a module-level function) under the stage's launcher; its
+    result (JSON), plus `world_size`. `job["run_dir"]` holds the launch files; a launched rank
+    imports `function` by its module and name (`import_path`)."""
     launcher = config.stage_launcher(stage)
     if launcher.type == "in_process":
-        return {**resolve(function)(config, job), "world_size": 1}
+        return {**function(config, job), "world_size": 1}
     from posttrain.tracking.recorder import Recorder
 
     recorder = Recorder.active()
@@ -95,8 +96,9 @@ def train(config, stage: str, function: str, job: dict) -> dict:
     for old in ("ranks", "errors"):  # a resumed job's reports are the new ones
         shutil.rmtree(folder / old, ignore_errors=True)
     (folder / "result.json").unlink(missing_ok=True)
-    write_json(folder / "job.json", {"config": config.model_dump(mode="json", by_alias=True), "function": function,
-                                     "job": job, "stage": stage, "cwd": os.getcwd(), **recorder.handle()})
+    write_json(folder / "job.json", {"config": config.model_dump(mode="json", by_alias=True),
+                                     "function": import_path(function), "job": job, "stage": stage, "cwd": os.getcwd(),
+                                     **recorder.handle()})
     cmd = command(launcher, job=str(folder / "job.json"), where=f"{stage}: launcher")
     print(f"posttrain: {stage}: training on {launcher.nodes} node(s) x {launcher.processes} process(es) "
           f"({launcher.type}){awaited(launcher, stage)}", flush=True)
@@ -139,6 +141,13 @@ def failure(stage: str, folder: Path, code: int) -> str:
     seen = f"; {errors[0].read_text().strip()}" if errors else ""
     return (f"{stage}: the launcher exited with code {code} and no rank raised an error of its own (a rank was "
             f"killed: out of memory, or from outside){seen}")
+
+
+def import_path(function) -> str:
+    """`module:name` of a module-level function: how a rank process finds it (`resolve`)."""
+    if "." in function.__qualname__:
+        raise ValueError(f"{function.__qualname__} is not a module-level function: a launched rank cannot import it")
+    return f"{function.__module__}:{function.__qualname__}"
 
 
 def resolve(function: str):

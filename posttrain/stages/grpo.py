@@ -77,7 +77,7 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
                                                        config.stage_launcher(stage_id).model_dump()],
                                       [Path(data_dir), init_dir])
         with compute("train"):
-            trained = launch.train(config, stage_id.dvc, f"{__name__}:train_job", {"name": name, "rows": rows,
+            trained = launch.train(config, stage_id.dvc, train_job, {"name": name, "rows": rows,
                                    "init_dir": init_dir, "out_dir": out_dir, "run_dir": run_dir})
         curve = trained["curve"]
         metrics.update(trained["metrics"], world_size=float(trained["world_size"]))

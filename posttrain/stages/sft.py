@@ -51,7 +51,7 @@ def main(config, *, data_dir: str, base_dir: str, out_dir: str, checkpoint_dir: 
         run_dir = checkpoints.run_dir(checkpoint_dir, [config.seed, config.sft.model_dump(),
                                                        config.stage_launcher("sft").model_dump()], [Path(data_dir), base])
         with compute("train"):
-            trained = launch.train(config, "sft", f"{__name__}:train_job", {"rows": rows, "validation": validation,
+            trained = launch.train(config, "sft", train_job, {"rows": rows, "validation": validation,
                                    "base": base, "run_dir": run_dir, "out_dir": out_dir})
         checkpoints.clear(checkpoint_dir)
         with compute("gate"):

@@ -1,4 +1,4 @@
-"""The run's checks of its config, on the flows side: asked of the run's stage host when
+"""The run's check of its config, on the flows' side: asked of the run's stage host when
 one answers (TRL and torch are imported there once, for the checks and the stages), else
 done in this process. The library's config is data (posttrain.config); what it takes to
 run is posttrain.preflight's, and where that check runs is the caller's business.
@@ -25,12 +25,14 @@ def checked_in_host(path: str | Path, cwd: str | None = None) -> str | None:
     return answer["fits"]
 
 
-def check_workspace(workdir: str, path: str | Path) -> str:
-    """`posttrain check` of workspace `workdir`'s config `path`: by the run's stage host
-    when one answers (in the workspace's folder), else here."""
+def check_workspace(workdir: str, path: str | Path | None = None) -> str:
+    """`posttrain check` of workspace `workdir`'s config `path` (default: its params file):
+    by the run's stage host when one answers (in the workspace's folder), else here."""
     from posttrain import cli
+    from posttrain.layout import PARAMS_FILE
     from posttrain.plugins import workspace
 
+    path = Path(workdir) / PARAMS_FILE if path is None else path
     fits = checked_in_host(path, cwd=workdir)
     if fits is not None:
         return fits
