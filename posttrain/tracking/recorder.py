@@ -28,33 +28,33 @@ class Recorder:
 
         return cls(mlflow.active_run() is not None)
 
+    def _mlflow(self):
+        """MLflow's module when this recorder records, else None."""
+        if not self.on:
+            return None
+        import mlflow
+
+        return mlflow
+
     def tag(self, key: str, value: str) -> None:
         self.tags({key: value})
 
     def tags(self, tags: dict[str, str]) -> None:
-        if self.on:
-            import mlflow
-
+        if mlflow := self._mlflow():
             mlflow.set_tags(tags)
 
     def params(self, params: dict) -> None:
-        if self.on:
-            import mlflow
-
+        if mlflow := self._mlflow():
             mlflow.log_params(params)
 
     def metrics(self, metrics: dict, prefix: str = "") -> None:
         """Nested metrics flattened to MLflow names (`flatten`),
         each under `prefix`."""
-        if self.on:
-            import mlflow
-
+        if mlflow := self._mlflow():
             mlflow.log_metrics({f"{prefix}{k}": v for k, v in flatten(metrics).items()})
 
     def dict(self, data: dict, path: str) -> None:
-        if self.on:
-            import mlflow
-
+        if mlflow := self._mlflow():
             mlflow.log_dict(data, path)
 
     def json(self, data, path: str) -> None:
@@ -62,27 +62,19 @@ class Recorder:
         self.text(json.dumps(data, indent=2, sort_keys=True, default=str), path)
 
     def text(self, text: str, path: str) -> None:
-        if self.on:
-            import mlflow
-
+        if mlflow := self._mlflow():
             mlflow.log_text(text, path)
 
     def figure(self, figure, path: str) -> None:
-        if self.on:
-            import mlflow
-
+        if mlflow := self._mlflow():
             mlflow.log_figure(figure, path)
 
     def table(self, data: dict[str, list], path: str) -> None:
-        if self.on:
-            import mlflow
-
+        if mlflow := self._mlflow():
             mlflow.log_table(data, path)
 
     def artifacts(self, folder: str | Path, path: str) -> None:
-        if self.on:
-            import mlflow
-
+        if mlflow := self._mlflow():
             mlflow.log_artifacts(str(folder), path)
 
     def follow(self, trainer) -> None:
