@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: install run test test-fast docs repro bench bench-throughput bench-scaling bench-seeds bench-real bench-tools bench-zero bench-headroom bench-stages bench-audit bench-hacking bench-savers bench-memory-table smollm2 clean
+.PHONY: install run test test-fast docs repro dvc-yaml bench bench-throughput bench-scaling bench-seeds bench-real bench-tools bench-zero bench-headroom bench-stages bench-audit bench-hacking bench-savers bench-memory-table smollm2 clean
 
 install: $(VENV)/.installed
 
@@ -39,6 +39,10 @@ test-fast: install
 	$(BIN)/pytest -m "not slow"
 
 # docs/config.md from the schema's field descriptions (tests/test_docs.py fails when it is stale)
+# dvc.yaml's code deps, from the import walk of tests/test_stage_deps.py (after adding or moving an import)
+dvc-yaml: install
+	$(BIN)/python tests/test_stage_deps.py
+
 docs: install
 	$(BIN)/python -m posttrain.config_reference > docs/config.md.new
 	mv docs/config.md.new docs/config.md

@@ -12,18 +12,10 @@ import os
 import sys
 from pathlib import Path
 
-from posttrain.errors import GateFailure, ReplayError, StageFailed, TrainingFailed, UserError
 from posttrain.capacity.profiles import PACKAGED as PACKAGED_PROFILES
-from posttrain.redact import guard_standard_streams, redact_text
+from posttrain.command import run_command
+from posttrain.errors import TrainingFailed, UserError
 from posttrain.stages import STAGES as DECLARED
-
-# Offline by default: real models are local paths; Prefect and DVC send no telemetry.
-OFFLINE_DEFAULTS = {
-    "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-    "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DVC_NO_ANALYTICS": "1",
-    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
-}
-
 
 # The pipeline stages (posttrain.stages.STAGES declares each one's flags): one module each in
 # posttrain/stages; dvc.yaml names their paths.
@@ -287,45 +279,11 @@ def full_check(config_path: str, *, here: bool) -> str:
 
 
 def run_stage(args) -> None:
-    """`posttrain stage NAME --config FILE --flag value ...`: the flags checked against the
-    stage's `main` before the config is loaded, then the stage run and its metrics printed."""
-    from posttrain.runtime.lifetime import die_with_run
+    """`posttrain stage NAME --config FILE --flag value ...`: what `python -m posttrain stage`
+    (dvc.yaml's commands) runs without this module (posttrain/stage_entry.py)."""
+    from posttrain.stage_entry import run
 
-    die_with_run()  # under the flow's `dvc repro`: the stage ends with the flow (kill -9 of the run included)
-    import importlib
-
-    from posttrain import preflight
-    from posttrain.config import load_config
-
-    wanted = ["config", *DECLARED[args.stage].flags]  # declared: a wrong flag costs no torch import
-    where = f"posttrain stage {args.stage}"
-    flags = args.flags
-    if len(flags) % 2 or not all(f.startswith("--") for f in flags[::2]):
-        raise UserError(where, f"expected --flag value pairs, got {' '.join(flags)[:80]!r}",
-                        f"pass {' '.join('--' + w.replace('_', '-') + ' VALUE' for w in wanted)}")
-    kwargs = {flag[2:].replace("-", "_"): value for flag, value in zip(flags[::2], flags[1::2])}
-    unknown, missing = sorted(set(kwargs) - set(wanted)), [w for w in wanted if w not in kwargs]
-    if unknown or missing:
-        problem = f"unknown flag --{unknown[0].replace('_', '-')}" if unknown else \
-            f"missing --{missing[0].replace('_', '-')}"
-        raise UserError(where, problem, f"it takes {', '.join('--' + w.replace('_', '-') for w in wanted)}")
-    config_path = kwargs.pop("config")
-    config = load_config(config_path)
-    preflight.for_stage(args.stage, config_path, config)  # what this stage's own work touches
-    main = importlib.import_module(f"posttrain.stages.{args.stage}").main
-    if args.stage == "grpo" and kwargs["name"] not in config.grpo:
-        raise UserError(f"{where} --name", f"no GRPO stage {kwargs['name']!r} in {config_path}",
-                        f"use one of {list(config.grpo)}")
-    if args.stage in ("sft", "grpo"):
-        kwargs["config_path"] = config_path  # for the memory plan: gpus.yaml beside the config
-    for module, name in DECLARED[args.stage].imports:  # start-up, not the stage's compute (make bench)
-        getattr(importlib.import_module(module), name)
-    from posttrain.plugins import plugin_refusal  # what the user's plug-ins raise: one line naming the plug-in
-    from posttrain.stageid import StageId
-
-    stage = StageId(args.stage, kwargs.get("name") if args.stage == "grpo" else None)
-    with plugin_refusal(where, log=str(stage.log)):
-        print(json.dumps(main(config, **kwargs), indent=2, sort_keys=True))
+    run([args.stage, *args.flags])
 
 
 def join_stage(args) -> int:
@@ -472,56 +430,7 @@ def main(argv: list[str] | None = None, *, parser: argparse.ArgumentParser | Non
          dispatch=dispatch) -> int:
     """Run one command; bad input is one line and exit 2 (3: a gate failed, 4: replay failed).
     flows/cli.py passes its own `parser` and `dispatch`, which add `run` and `serve`."""
-    for key, value in OFFLINE_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    guard_standard_streams()  # libraries print tracking URIs, passwords included (MLflow's "View run")
-    try:
-        code = dispatch((parser or build_parser()).parse_args(argv))
-        sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's flush at exit
-        return code
-    except BrokenPipeError:
-        if not reader_gone():
-            raise
-        return quiet_after_reader_gone()
-    except UserError as err:
-        return refuse("error", err, 2)
-    except GateFailure as err:
-        return refuse("gate failed", err, 3)
-    except ReplayError as err:
-        return refuse("replay failed", err, 4)
-    except TrainingFailed as err:
-        return refuse("training failed", err, 1)
-    except StageFailed as err:
-        return refuse("stage failed", err, 1)
-
-
-def reader_gone() -> bool:
-    """Whether stdout is a pipe whose reader closed it (`posttrain memory ... | head -1`), as
-    opposed to a broken socket of a server's (which stays an error)."""
-    import select
-
-    try:
-        poller = select.poll()
-        poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poller.poll(0))
-    except (OSError, ValueError):  # no file descriptor (a test's StringIO)
-        return False
-
-
-def quiet_after_reader_gone() -> int:
-    """End as `cat` does when its reader leaves: no traceback, exit 128 + SIGPIPE. stdout goes
-    to /dev/null first, so the interpreter's flush at exit finds nothing to fail on (the
-    Python docs' recipe, signal module, "Note on SIGPIPE")."""
-    import signal
-
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 128 + signal.SIGPIPE
-
-
-def refuse(kind: str, err: Exception, code: int) -> int:
-    """Print the one-line reason, passwords masked (library errors quote URIs whole)."""
-    print(redact_text(f"posttrain: {kind}: {err}"), file=sys.stderr)
-    return code
+    return run_command(lambda: dispatch((parser or build_parser()).parse_args(argv)))
 
 
 if __name__ == "__main__":

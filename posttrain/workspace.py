@@ -93,7 +93,7 @@ def _lay_out(dest: Path, config: dict, remote: Path) -> None:
     for name in ("gitignore", "dvcignore"):
         shutil.copy(TEMPLATE / name, dest / f".{name}")
     shutil.copytree(TEMPLATE / "configs", dest / "configs")
-    copy_code(dest)
+    copy_code(dest, config)
     (dest / "datasets").mkdir()
     shutil.copy(TEMPLATE / "datasets_README.md", dest / "datasets" / "README.md")  # batches are its own
     (dest / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(workspace_params(config), sort_keys=False))
@@ -106,17 +106,33 @@ def _lay_out(dest: Path, config: dict, remote: Path) -> None:
     commit(dest, "posttrain workspace")
 
 
-def copy_code(dest: Path) -> None:
-    """This package's dvc.yaml and library into `dest`, and the user's own code (`custom/`
-    of the current folder, where `posttrain check` imported it from): the stages run the
-    workspace's copy (`stage_env`), so what DVC hashes as a dep is what runs. Nothing to
-    do in the checkout the package is installed from."""
+def copy_code(dest: Path, config: dict) -> None:
+    """This package's dvc.yaml (for `config`'s environment: dvc_yaml) and library into `dest`,
+    and the user's own code (`custom/` of the current folder, where `posttrain check` imported
+    it from): the stages run the workspace's copy (`stage_env`), so what DVC hashes as a dep
+    is what runs. Nothing to do in the checkout the package is installed from."""
     copy_custom(dest)
     if (dest / "posttrain").resolve() == PACKAGE:
         return
-    shutil.copy(TEMPLATE / "dvc.yaml", dest / "dvc.yaml")
+    (dest / "dvc.yaml").write_text(dvc_yaml((config.get("data") or {}).get("env")))
     shutil.rmtree(dest / "posttrain", ignore_errors=True)
     shutil.copytree(PACKAGE, dest / "posttrain", ignore=shutil.ignore_patterns("__pycache__", "template"))
+
+
+def dvc_yaml(env) -> str:
+    """The template's dvc.yaml for a config whose `data.env` is `env`: for a built-in, its
+    stages depend on that environment's modules and not on the other built-ins' (an edit to
+    the SQL environment reruns nothing of an arithmetic pipeline); for your own environment
+    (`custom/`, an entry point, an import path) on all of them, as it may import any."""
+    from posttrain.envs import MODULES
+
+    text = (TEMPLATE / "dvc.yaml").read_text()
+    if not isinstance(env, str) or env not in MODULES:
+        return text
+    unused = {f"posttrain/{path}" for paths in MODULES.values() for path in paths} - \
+        {f"posttrain/{path}" for path in MODULES[env]}
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if line.strip().removeprefix("- ").strip() not in unused)
 
 
 def copy_custom(dest: Path) -> None:
@@ -181,7 +197,7 @@ def prepare(workdir: str | Path, config: dict) -> Path:
     workdir = Path(workdir)
     if not (workdir / "dvc.yaml").is_file():
         return create(workdir, config)
-    copy_code(workdir)
+    copy_code(workdir, config)
     (workdir / "datasets").mkdir(exist_ok=True)  # workspaces from before new data was versioned
     shutil.copy(TEMPLATE / "datasets_README.md", workdir / "datasets" / "README.md")
     (workdir / "configs" / "pipeline.yaml").write_text(yaml.safe_dump(workspace_params(config), sort_keys=False))

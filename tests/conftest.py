@@ -27,7 +27,7 @@ for name in ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_PROFILE", "PREFECT_P
 import pytest  # noqa: E402 - after the homes are set
 import yaml  # noqa: E402
 
-from posttrain.cli import OFFLINE_DEFAULTS
+from posttrain.command import OFFLINE_DEFAULTS
 from posttrain import workspace
 from posttrain.config import read_config_dict
 

@@ -1,17 +1,18 @@
 """dvc.yaml's `deps` hold every library file a stage command runs (issue 12, stale results).
 
-A stage's `cmd` is `posttrain stage <name>`: it runs posttrain/cli.py, which loads the
-config (posttrain/config.py, which loads the environments and the rewards) and imports
-posttrain/stages/<name>.py by name. From those files the walk below follows the imports
-through the posttrain package statically (`ast`), lazy ones inside functions included,
-and also `python -m posttrain.<module>` subprocesses, `posttrain.<module>:<name>` import
-paths, every module of a plug-in folder (environments load by name) and data files a
-module names beside itself ("gpus.yaml"). A file a stage can run and its deps miss is a
-stale result: DVC would call the stage up to date after that file changed.
+A stage's `cmd` is `python -m posttrain stage <name>`: posttrain/__main__.py hands it to
+posttrain/stage_entry.py (not the CLI), which loads the config (posttrain/config.py, which
+loads the environments and the rewards) and imports posttrain/stages/<name>.py by name. From
+those files the walk below follows the imports through the posttrain package statically
+(`ast`), lazy ones inside functions included, and also `python -m posttrain.<module>`
+subprocesses, `posttrain.<module>:<name>` import paths, every module of a plug-in folder
+(environments load by name) and data files a module names beside itself ("gpus.yaml"). A file
+a stage can run and its deps miss is a stale result: DVC would call the stage up to date
+after that file changed.
 
-Of cli.py only what `posttrain stage` runs counts: its module body and the functions
-reached from `main`, leaving out the branches of `args.command == "<another command>"`
-(otherwise every stage would rerun when `posttrain compare` changes).
+Where a module routes `stage` apart from every other command (`if argv[1:2] == ["stage"]:
+... else: the CLI`, in __main__.py and the stage host), the `else` is another command's code:
+not a stage's (otherwise every stage would rerun when `posttrain compare`'s parser changes).
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ from conftest import copy_workspace, sh
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "posttrain"
-ENTRY = ("posttrain/__main__.py", "posttrain/cli.py", "posttrain/config.py")  # what every `python -m posttrain stage` runs
-CLI_ENTRY = ("posttrain/cli.py", "main")              # pyproject: posttrain = "posttrain.cli:main"
+ENTRY = ("posttrain/__main__.py", "posttrain/config.py")  # what every `python -m posttrain stage` runs
 PLUGINS = {"posttrain/envs": "posttrain.envs"}        # plug-in folder -> its entry-point group
 
 
@@ -56,35 +56,24 @@ def module_name(path: str) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def other_command_branch(node: ast.AST) -> bool:
-    """`if args.command == "compare":` and the like: code `posttrain stage` never runs."""
-    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
-            and isinstance(node.test.left, ast.Attribute) and node.test.left.attr == "command"
-            and len(node.test.ops) == 1 and isinstance(node.test.ops[0], ast.Eq)
-            and isinstance(node.test.comparators[0], ast.Constant) and node.test.comparators[0].value != "stage")
+def other_commands(node: ast.AST) -> list[ast.AST] | None:
+    """In `if X == ["stage"]: ... else: ...`, the `else`: what runs for every other command.
+    None for any other node."""
+    if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1
+            and isinstance(node.test.ops[0], ast.Eq) and isinstance(node.test.comparators[0], ast.List)
+            and [getattr(e, "value", None) for e in node.test.comparators[0].elts] == ["stage"]):
+        return node.orelse
+    return None
 
 
 def walk_pruned(node: ast.AST):
-    """`ast.walk`, skipping the body of other commands' branches (their `elif`s stay)."""
+    """`ast.walk`, skipping the `else` of a stage-or-another-command branch."""
     todo = [node]
     while todo:
         node = todo.pop()
         yield node
-        todo.extend(node.orelse if other_command_branch(node) else ast.iter_child_nodes(node))
-
-
-def stage_command_nodes(tree: ast.Module, entry: str) -> list[ast.AST]:
-    """cli.py's code that `posttrain stage` runs: the module body, then each top-level
-    function named (called or passed on) by code already reached, from `entry` on."""
-    functions = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    reached = [n for n in tree.body if n not in functions.values()] + [functions[entry]]
-    seen = {entry}
-    for node in reached:   # grows while it is read
-        for child in walk_pruned(node):
-            if isinstance(child, ast.Name) and child.id in functions and child.id not in seen:
-                seen.add(child.id)
-                reached.append(functions[child.id])
-    return reached
+        skipped = other_commands(node) or []
+        todo.extend(child for child in ast.iter_child_nodes(node) if child not in skipped)
 
 
 def references(path: str, root: Path = REPO) -> set[str]:
@@ -92,10 +81,7 @@ def references(path: str, root: Path = REPO) -> set[str]:
     tree = ast.parse((root / path).read_text(), filename=path)
     here = module_name(path)
     package = here if path.endswith("__init__.py") else here.rpartition(".")[0]
-    if path == CLI_ENTRY[0]:
-        nodes = (child for top in stage_command_nodes(tree, CLI_ENTRY[1]) for child in walk_pruned(top))
-    else:
-        nodes = ast.walk(tree)
+    nodes = walk_pruned(tree)
     names, found, folder = [], set(), (root / path).parent
     for node in nodes:
         if isinstance(node, ast.Import):
@@ -130,10 +116,20 @@ def plugin_modules(folder: str, group: str, root: Path = REPO) -> list[str]:
     return own + [p for p in points if p]
 
 
-def reach(stage: str, root: Path = REPO) -> dict[str, str | None]:
-    """Every package file `posttrain stage <stage>` can run -> the file that led to it."""
+def builtin_envs(root: Path = REPO) -> dict[str, str]:
+    """The built-in environments by name -> their modules' paths (posttrain.envs.ENVIRONMENTS)."""
+    from posttrain.envs import ENVIRONMENTS
+
+    return {name: module_path(target.partition(":")[0], root) for name, target in ENVIRONMENTS.items()}
+
+
+def reach(stage: str, root: Path = REPO, env: str | None = "*") -> dict[str, str | None]:
+    """Every package file `posttrain stage <stage>` can run -> the file that led to it.
+    `env`: "*" for any config (every environment, as they load by name), a built-in's name
+    for a config that names it (the others' modules are not run), None for none of them."""
     via: dict[str, str | None] = {}
     todo: deque[str] = deque()   # breadth first: `chain` gives a shortest import chain
+    others = set() if env == "*" else set(builtin_envs(root).values()) - {builtin_envs(root).get(env)}
 
     def add(path: str, parent: str | None) -> None:
         if path not in via:
@@ -146,10 +142,11 @@ def reach(stage: str, root: Path = REPO) -> dict[str, str | None]:
         path = todo.popleft()
         found = package_inits(path, root) + (sorted(references(path, root)) if path.endswith(".py") else [])
         for folder, group in PLUGINS.items():
-            if path.startswith(folder + "/"):
+            if env == "*" and path.startswith(folder + "/"):
                 found += plugin_modules(folder, group, root)
         for other in found:
-            add(other, path)
+            if not (path == f"{PACKAGE}/envs/__init__.py" and other in others):
+                add(other, path)
     return via
 
 
@@ -192,6 +189,33 @@ def missing_deps(root: Path = REPO) -> list[str]:
     return lines
 
 
+def written(root: Path = REPO) -> str:
+    """dvc.yaml as `make dvc-yaml` writes it: each stage's package files are what the walk
+    reaches from its command, its own module first, the rest sorted; every other line (data,
+    `custom`, params, comments) stays as it is."""
+    commands = {name: stage for name, (_, stage, _) in dvc_stages(root).items()}
+    out, stage, seen = [], None, 0
+    for line in (root / "dvc.yaml").read_text().splitlines():
+        if m := re.fullmatch(r"  (\w+):\s*", line):
+            stage, seen = commands.get(m.group(1)), 0
+        item = re.fullmatch(r"(\s+)- (" + PACKAGE + r"/\S+)(.*)", line)
+        if not item or stage is None:
+            out.append(line)
+            continue
+        seen += 1
+        own = f"{PACKAGE}/stages/{stage}.py"
+        if seen == 1:
+            out.append(f"{item.group(1)}- {own}")
+        elif seen == 2:
+            out += [f"{item.group(1)}- {path}" for path in sorted(reach(stage, root)) if path != own]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":  # make dvc-yaml
+    (REPO / "dvc.yaml").write_text(written())
+    print("dvc.yaml: each stage's package deps written from the import walk")
+
+
 # --- the walk itself: one case per line -------------------------------------------------
 @pytest.mark.parametrize("stage, path, reached", [
     ("sft", "posttrain/sandbox.py", True),            # stages/sft -> envs -> envs/sql -> sandbox
@@ -205,6 +229,8 @@ def missing_deps(root: Path = REPO) -> list[str]:
     ("prepare", "posttrain/__init__.py", True),       # runs before any posttrain module
     ("serving", "posttrain/training/trainer.py", False),      # only the training stages import it
     ("sft", "posttrain/tracking/compare.py", False),           # cli.py imports it for `posttrain compare` only
+    ("sft", "posttrain/cli.py", False),               # __main__.py hands a stage to stage_entry.py, not the CLI
+    ("grpo", "posttrain/stage_entry.py", True),      # ... which reads the stage's flags and runs it
     ("sft", "posttrain/stages/grpo.py", False),       # cli.py imports the one stage it runs
 ])
 def test_the_walk_finds_what_a_stage_runs(stage, path, reached):
@@ -215,9 +241,10 @@ def test_the_walk_finds_what_a_stage_runs(stage, path, reached):
 def test_the_walk_follows_import_paths_and_package_data(tmp_path):
     (tmp_path / PACKAGE / "stages").mkdir(parents=True)
     for path, text in {
-        "posttrain/__init__.py": "", "posttrain/__main__.py": "", "posttrain/stages/__init__.py": "",
-        "posttrain/config.py": "", "posttrain/cli.py": ('def main():\n    if args.command == "compare":\n        import posttrain.compare\n'
-                             '    elif args.command == "stage":\n        import posttrain.errors\n'),
+        "posttrain/__init__.py": "", "posttrain/stages/__init__.py": "", "posttrain/config.py": "",
+        "posttrain/__main__.py": ('if sys.argv[1:2] == ["stage"]:\n    import posttrain.errors\n'
+                                  'else:\n    import posttrain.cli\n'),
+        "posttrain/cli.py": "import posttrain.compare\n",
         "posttrain/stages/x.py": 'PLUGIN = "posttrain.plugin:make"\nfrom . import helper\n',
         "posttrain/plugin.py": 'PROFILES = "profiles.yaml"\n', "posttrain/profiles.yaml": "",
         "posttrain/stages/helper.py": "", "posttrain/compare.py": "", "posttrain/errors.py": "",
@@ -225,23 +252,55 @@ def test_the_walk_follows_import_paths_and_package_data(tmp_path):
         (tmp_path / path).write_text(text)
     assert set(reach("x", tmp_path)) == {
         "posttrain/__init__.py", "posttrain/__main__.py", "posttrain/stages/__init__.py", "posttrain/config.py",
-        "posttrain/cli.py", "posttrain/errors.py", "posttrain/stages/x.py", "posttrain/plugin.py", "posttrain/stages/helper.py",
+        "posttrain/errors.py", "posttrain/stages/x.py", "posttrain/plugin.py", "posttrain/stages/helper.py",
         "posttrain/profiles.yaml"}
 
 
 # --- dvc.yaml against the walk ----------------------------------------------------------
 def test_every_stage_depends_on_all_the_code_it_runs():
     missing = missing_deps()
-    assert not missing, "dvc.yaml misses code its stages run (stale results):\n" + "\n".join(missing)
+    assert not missing, "dvc.yaml misses code its stages run (stale results; `make dvc-yaml` writes them):\n" + \
+        "\n".join(missing)
+
+
+def test_dvc_yaml_is_what_the_walk_writes():
+    """Its package deps come from the walk (`make dvc-yaml`), in one order: no hand-kept list."""
+    assert (REPO / "dvc.yaml").read_text() == written(), "dvc.yaml's code deps are not the walk's: run `make dvc-yaml`"
 
 
 def test_no_stage_depends_on_code_it_never_runs():
     extra = []
     for name, (where, stage, deps) in dvc_stages().items():
         reached = reach(stage) if stage else {}
-        extra += [f"dvc.yaml {where}: remove `- {dep}` (`posttrain stage {stage}` never runs it)"
+        extra += [f"dvc.yaml {where}: remove `- {dep}` (`posttrain stage {stage}` never runs it; `make dvc-yaml`)"
                   for dep in deps if dep.split("/")[0] == PACKAGE and not any(covered(p, [dep]) for p in reached)]
     assert not extra, "\n".join(extra)
+
+
+def test_each_builtin_environment_declares_the_modules_it_runs():
+    """posttrain.envs.MODULES: what a built-in runs beyond every stage's code, as the walk finds it."""
+    from posttrain.envs import MODULES
+
+    shared = set(reach("prepare", env=None))
+    assert set(MODULES) == set(builtin_envs())
+    for env, paths in MODULES.items():
+        assert {f"{PACKAGE}/{p}" for p in paths} == set(reach("prepare", env=env)) - shared, env
+
+
+def test_a_workspace_depends_on_its_environments_code_alone():
+    """A workspace's dvc.yaml (posttrain.workspace.dvc_yaml): for a built-in environment, each
+    stage depends on all it runs and on no other built-in's module; for your own, on all."""
+    from posttrain.workspace import dvc_yaml
+
+    assert dvc_yaml("custom.mytask:make_env") == (REPO / "dvc.yaml").read_text()
+    for env in builtin_envs():
+        stages = yaml.safe_load(dvc_yaml(env))["stages"]
+        for name, (where, stage, _) in dvc_stages().items():
+            body = stages[name]["do"] if "foreach" in stages[name] else stages[name]
+            deps = [str(d) for d in body["deps"]]
+            runs = reach(stage, env=env)
+            assert not [p for p in runs if not covered(p, deps)], (env, name)
+            assert not [d for d in deps if d.startswith(f"{PACKAGE}/") and d not in runs], (env, name)
 
 
 def test_folder_deps_in_the_package_ignore_bytecode():
@@ -275,9 +334,9 @@ def test_a_changed_module_reruns_the_stages_that_run_it(flow_runs, tmp_path):
     changed = dvc_changed(ws)
     for path, text in sources.items():
         path.write_text(text)
-    stages = dvc_stages(ws)
+    stages, env = dvc_stages(ws), yaml.safe_load((ws / "configs" / "pipeline.yaml").read_text())["data"]["env"]
     for name in ("prepare", "sft", "grpo@dense", "serving", "evaluate"):
-        via = reach(stages[name.partition("@")[0]][1], ws)
+        via = reach(stages[name.partition("@")[0]][1], ws, env=env)   # the config's environment, no other
         unseen = [p for p in via if p.endswith(".py") and not covered(p, sorted(changed.get(name, ())))]
         assert not unseen, f"dvc status misses changes to {unseen} in stage {name}"
 
@@ -288,6 +347,15 @@ def test_a_changed_module_reruns_the_stages_that_run_it(flow_runs, tmp_path):
     assert set(dvc_changed(ws)) == {"sft", "grpo@dense", "evaluate"}
     evaluation.write_text(original)
     assert dvc_changed(ws) == {}
+
+    # another command changed (the CLI's parser, `posttrain compare`'s code), or an environment
+    # the config does not use (it names arithmetic): no stage is stale
+    assert env == "arithmetic"
+    for path in (ws / PACKAGE / "cli.py", ws / PACKAGE / "tracking" / "compare.py", ws / PACKAGE / "envs" / "sql.py"):
+        text = path.read_text()
+        path.write_text(text + "# a changed command\n")
+        assert dvc_changed(ws) == {}, f"an edit to {path.name} reruns stages"
+        path.write_text(text)
 
     # the KV arithmetic changed: DVC finds serving stale, and the flow reruns it alone
     kv = ws / PACKAGE / "capacity" / "kv.py"

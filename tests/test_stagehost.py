@@ -6,7 +6,6 @@ ends with its client. Real processes throughout: a host, its forks, the clients.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import psutil
 import pytest
 import yaml
 
-from conftest import REPO, SMALL, make_workspace
+from conftest import SMALL, make_workspace
 from posttrain.runtime import stagehost
 from posttrain.workspace import stage_env
 
@@ -59,13 +58,13 @@ def test_a_stage_the_host_runs_ends_as_the_command_alone(workspace):
 def test_the_fork_runs_the_workspace_code_as_it_is_now(workspace):
     """The host imported its posttrain before the edit; the fork imports it again (what DVC hashed)."""
     ws, path = workspace
-    cli = ws / "posttrain" / "cli.py"
-    before = cli.read_text()
+    entry = ws / "posttrain" / "stage_entry.py"
+    before = entry.read_text()
     try:
-        cli.write_text(before.replace('problem = f"unknown flag', 'problem = f"edited: unknown flag'))
+        entry.write_text(before.replace('problem = f"unknown flag', 'problem = f"edited: unknown flag'))
         hosted = posttrain(["stage", "prepare", "--bogus", "x"], ws, hosted_env(ws, **{stagehost.ENV_VAR: path}))
     finally:
-        cli.write_text(before)
+        entry.write_text(before)
     assert hosted.returncode == 2 and "edited: unknown flag --bogus" in hosted.stderr, hosted.stderr
 
 

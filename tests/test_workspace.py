@@ -81,5 +81,6 @@ def test_a_wheel_holds_what_a_workspace_needs(tmp_path):
     for path in ("dvc.yaml", ".gitignore", ".dvcignore", "configs/gpus.yaml", "datasets/README.md", "custom/README.md",
                  "posttrain/capacity/gpus.yaml", "posttrain/stages/sft.py"):
         assert (tmp_path / "ws" / path).is_file() and not (tmp_path / "ws" / path).is_symlink(), path
-    assert (tmp_path / "ws" / "dvc.yaml").read_text() == (repo / "dvc.yaml").read_text()
+    env = yaml.safe_load((repo / "configs" / "pipeline.yaml").read_text())["data"]["env"]
+    assert (tmp_path / "ws" / "dvc.yaml").read_text() == workspace.dvc_yaml(env)   # the template, for its environment
     assert not (tmp_path / "ws" / "posttrain" / "template").exists()

@@ -27,6 +27,15 @@ ENVIRONMENTS: dict[str, str] = {
     "dataset": "posttrain.envs.dataset:DatasetEnv", "calculator": "posttrain.envs.calculator:CalculatorEnv",
     "sql_tools": "posttrain.envs.sql_tools:SQLToolsEnv", "retrieval": "posttrain.envs.retrieval:RetrievalEnv"}
 ENTRY_POINT_GROUP = "posttrain.envs"
+# What each built-in runs beyond what every stage runs (its own module, the ones it imports,
+# the SQL sandbox), as paths in the package: a workspace's dvc.yaml lists these for its
+# config's environment alone, so an edit to a built-in it does not use reruns no stage
+# (posttrain.workspace.dvc_yaml; tests/test_stage_deps.py checks them against the import walk).
+MODULES: dict[str, tuple[str, ...]] = {
+    "arithmetic": ("envs/arithmetic.py",), "sql": ("envs/sql.py", "sandbox.py"),
+    "dataset": ("envs/dataset.py", "envs/mathverify.py", "sandbox.py"), "calculator": ("envs/calculator.py",),
+    "sql_tools": ("envs/sql.py", "envs/sql_tools.py", "sandbox.py"),
+    "retrieval": ("envs/dataset.py", "envs/mathverify.py", "envs/retrieval.py", "sandbox.py")}
 
 
 def env_factory(name: str):

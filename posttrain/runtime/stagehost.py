@@ -383,9 +383,14 @@ def run_forked_command(request: dict, fds: list[int], conn: socket.socket) -> in
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="posttrain-stage-client", daemon=True).start()
-    from posttrain.cli import main
+    if sys.argv[1:2] == ["stage"]:  # as posttrain/__main__.py routes it: a stage without the CLI
+        from posttrain.stage_entry import main as run_stage
 
-    return main(sys.argv[1:])
+        return run_stage(sys.argv[2:])
+    else:
+        from posttrain.cli import main
+
+        return main(sys.argv[1:])
 
 
 @contextlib.contextmanager
