@@ -46,7 +46,7 @@ def dispatch(args) -> int:
         serve_workspace(args)
         return 0
     if args.command == "replay":
-        from flows.replay import replay
+        from tasks.replay import replay
 
         report, differ = replay(args.run_id, tracking_uri=cli.cli_tracking_uri(args), scratch=args.scratch)
         print(report)

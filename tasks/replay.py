@@ -7,7 +7,8 @@ commit into a scratch folder, restores the config, pulls the versioned data
 (`datasets/`) from the workspace's DVC remote, reruns every stage there (`dvc repro`,
 into a scratch MLflow store, so the recorded runs are not touched) and compares each
 metric. Wall-clock metrics (seconds, throughput, latency) are shown but not compared.
-It drives DVC's stage graph as the retrain flow does, so it lives beside the flows.
+It drives DVC's stage graph as the retrain flow's tasks do (tasks/dvc_stages.py), so it
+lives beside them; `posttrain replay` (flows/cli.py) calls it.
 """
 
 from __future__ import annotations
