@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: install run test test-fast docs repro dvc-yaml bench bench-throughput bench-scaling bench-seeds bench-real bench-tools bench-zero bench-headroom bench-stages bench-audit bench-hacking bench-savers bench-memory-table smollm2 clean
+.PHONY: install run test test-fast docs repro dvc-yaml bench bench-throughput bench-scaling bench-seeds bench-real bench-tools bench-zero bench-headroom bench-stages bench-host bench-audit bench-hacking bench-savers bench-memory-table smollm2 clean
 
 install: $(VENV)/.installed
 
@@ -85,6 +85,10 @@ bench-zero: smollm2
 STAGES = $(or $(ROOT),runs/bench-stages)
 bench-headroom: smollm2
 	$(BIN)/python bench/real_model.py --config configs/recipes/smollm2-arithmetic-headroom.yaml --root $(STAGES)/sft_grpo --tracking-uri sqlite:///$(abspath $(STAGES))/mlflow.db --records bench/results/grpo_headroom.json
+
+# the warm stage host against none (POSTTRAIN_STAGE_HOST=off), the default pipeline whole, alternating rounds
+bench-host: install
+	$(BIN)/python bench/stage_host.py $(if $(ROOT),--root $(ROOT))
 
 # what each stage buys: base / SFT only / GRPO only / SFT then GRPO at one budget of samples seen, seeds 0-2 (hours);
 # its SFT-then-GRPO arm is the headroom recipe's bench seed: the two read the same workspaces

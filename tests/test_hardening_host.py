@@ -371,3 +371,14 @@ def test_a_flow_run_of_the_tests_lands_in_the_temporary_home_not_the_users():
     assert done.returncode == 0, done.stderr
     assert name in flows_in(TEST_HOME / "prefect" / "prefect.db")
     assert name not in flows_in(Path.home() / ".prefect" / "prefect.db")
+
+
+def test_off_starts_no_host_and_asks_none(tmp_path, monkeypatch):
+    """POSTTRAIN_STAGE_HOST=off (bench/stage_host.py's other arm): the run starts no host
+    process and each stage runs in its own, saying nothing about it."""
+    monkeypatch.setenv(stagehost.ENV_VAR, stagehost.OFF)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with stagehost.hosting(str(tmp_path), dict(os.environ)) as name:
+        assert name is None and {p.pid for p in psutil.Process().children(recursive=True)} == before
+        assert os.environ[stagehost.ENV_VAR] == stagehost.OFF
+    assert stagehost.run_in_host(["stage", "prepare", "--bogus", "x"]) is None

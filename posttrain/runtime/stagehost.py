@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 
 ENV_VAR = "POSTTRAIN_STAGE_HOST"  # the host's socket, set by the flow for the stages it runs
+OFF = "off"  # POSTTRAIN_STAGE_HOST=off: no host, every stage in its own process (bench/stage_host.py's other arm)
 ABSTRACT = "@"  # how ENV_VAR writes an abstract socket's leading NUL (no variable holds a NUL)
 MAX_REQUEST = 1 << 20  # bytes: argv, folder, environment and sys.path are a few KiB; more is refused
 REQUEST_WAIT = 30.0  # seconds a connected client has to send its request before it is dropped
@@ -68,7 +69,7 @@ def run_in_host(argv: list[str], *, stdio: tuple[int, int, int] = (0, 1, 2), qui
     (none named or answering, or it declined: run it in this process; `quiet`: without
     saying so). `stdio`: the command's stdin, stdout and stderr (file descriptors)."""
     path = os.environ.get(ENV_VAR)
-    if not path or not argv or argv[0] not in COMMANDS:
+    if not path or path == OFF or not argv or argv[0] not in COMMANDS:
         return None
     from posttrain.runtime.lifetime import die_with_run
 
@@ -407,8 +408,8 @@ def hosting(workdir: str, env: dict[str, str]):
 
     from posttrain.runtime import lifetime
 
-    if not (hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")):  # Linux >= 5.3, Python >= 3.9
-        yield None
+    if os.environ.get(ENV_VAR) == OFF or not (hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")):
+        yield None  # turned off, or not Linux >= 5.3 with Python >= 3.9
         return
     folder_key = os.path.realpath(workdir)  # now: the caller may change folder inside the block
     if os.environ.get(ENV_VAR) in HOSTS.get(folder_key, ()):
