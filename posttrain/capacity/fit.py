@@ -115,14 +115,14 @@ def trl_option(trl: dict, cls_name: str, key: str, *, where: str):
 def stage_setup(config, stage: str, *, prompt_chars: int, gpu: bool, where: str) -> Setup:
     """The `Setup` training stage `stage` runs (module docstring); `gpu`: on a GPU (bf16 by
     TRL's default) rather than this machine's CPU (fp32)."""
-    from posttrain.training.trl_bridge import cpu_has_bf16, options_schema
+    from posttrain.training.trl_bridge import cpu_has_bf16, options_schema, stage_options, trl_class
     from posttrain.yamlfile import schema_error
     from pydantic import ValidationError
 
-    section = config.stage_section(stage)
-    field = StageId.parse(stage).field
+    section, stage_id = config.stage_section(stage), StageId.parse(stage)
+    field = stage_id.field
     file = where.split(": ")[0]
-    trl, cls = dict(section.trl), "SFTConfig" if stage == "sft" else "GRPOConfig"
+    trl, cls = stage_options(config, stage_id), trl_class(stage_id)  # as the stage builds its TRL config
     if trl.get("bf16") == "auto":  # as the stage resolves it where it will run (trl_bridge.resolve_auto)
         trl["bf16"] = gpu or cpu_has_bf16()
     try:  # the options' types, as the stage will build them (a bad value is one line here too)
@@ -346,12 +346,13 @@ def with_cheap_savings(config, stage: str, trl: str, base: Setup, changes: list[
 def accepted(config, stage: str, batch: int, steps: int, path: Path) -> bool:
     """Whether TRL accepts the stage's `trl:` block with this micro-batch and accumulation
     (GRPO: whole groups of `num_generations` per generation batch, at the launcher's world size)."""
-    from posttrain.training.trl_bridge import check_trl_config, grpo_trl_options
+    from posttrain.training.trl_bridge import check_trl_config, stage_options
 
     if stage == "sft":
         return True
-    section, launcher = config.stage_section(stage), config.stage_launcher(stage)
-    options = {**grpo_trl_options(section), "per_device_train_batch_size": batch, "gradient_accumulation_steps": steps}
+    launcher = config.stage_launcher(stage)
+    options = {**stage_options(config, StageId.parse(stage)), "per_device_train_batch_size": batch,
+               "gradient_accumulation_steps": steps}
     try:
         check_trl_config(f"{path}: {stage}", "GRPOConfig", options, launcher.processes * launcher.nodes)
     except UserError:

@@ -161,7 +161,10 @@ def vllm_problem(trl: dict, *, cuda: bool, vllm: str | None, supported: str,
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
-    mode = trl.get("vllm_mode", "colocate")
+    from posttrain.training.trl_fields import default
+
+    option = lambda key: trl[key] if key in trl else default("GRPOConfig", key)  # noqa: E731 (TRL's where silent)
+    mode = option("vllm_mode")
     if not cuda:
         return ("use_vllm", f"vLLM generation ({mode} mode) needs CUDA GPUs: this machine has none (vLLM's CPU build "
                 "cannot take TRL's weight updates, and server mode's NCCL transfer needs CUDA)",
@@ -173,12 +176,10 @@ def vllm_problem(trl: dict, *, cuda: bool, vllm: str | None, supported: str,
         return ("use_vllm", f"vLLM {vllm} is outside what the installed TRL supports ({supported})",
                 f"install vllm{supported}, or a TRL release that supports vLLM {vllm}")
     if mode == "server":
-        url = trl.get("vllm_server_base_url") or \
-            f"http://{trl.get('vllm_server_host', '0.0.0.0')}:{trl.get('vllm_server_port', 8000)}"
+        url = option("vllm_server_base_url") or f"http://{option('vllm_server_host')}:{option('vllm_server_port')}"
         problem = http_problem(f"{url.rstrip('/')}/health", timeout)  # what TRL's VLLMClient polls
         if problem:
-            option = "vllm_server_base_url" if trl.get("vllm_server_base_url") else "vllm_server_host"
-            return (option, f"the vLLM server {show(url)} does not answer ({problem})", "start it first (`trl "
+            return ("vllm_server_base_url" if option("vllm_server_base_url") else "vllm_server_host", f"the vLLM server {show(url)} does not answer ({problem})", "start it first (`trl "
                     "vllm-serve --model MODEL`, infra/slurm/train.sbatch) or correct the URL")
     return None
 

@@ -17,7 +17,7 @@ from posttrain.training import checkpoints
 from posttrain.capacity import fit
 from posttrain.runtime import launch
 from posttrain.chat import grpo_rows, tool_ready
-from posttrain.training.trl_bridge import build_trl_config, grpo_trl_options
+from posttrain.training.trl_bridge import build_trl_config, option, stage_options
 from posttrain.envs import config_env
 from posttrain.envs.tools import guard, is_tool_env, tool_limits
 from posttrain.scoring.evaluation import add_timeout_counts, pass_rates, report_timeouts
@@ -60,11 +60,11 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
             return pass_through(init_dir, out_dir, metrics_path, curve_path, layers_path, recorder,
                                 f"stopped at {previous['stopped_at']}")
         with compute("filter"):
-            rows, metrics, samples = filter_prompts(config, stage, env, init_dir, train_rows)
+            rows, metrics, samples = filter_prompts(config, name, env, init_dir, train_rows)
         audit_agreement(config, name, env, audited, *samples)  # the starting model's own samples, scored
         record_audit(audited, audit_path, recorder)
         refuse_audit(config_path, config, name, audited)
-        needed = prompts_per_step(config, stage, stage_id)
+        needed = prompts_per_step(config, stage_id)
         if len(rows) < needed:  # TRL's sampler would yield no batch: zero steps, and a gate on an unchanged model
             reason = (f"the pass-rate filter kept {len(rows)} prompt(s), fewer than the {needed} one step takes (mean "
                       f"pass rate {metrics.get('pass_rate_mean', 0.0):.3f}): nothing left to learn from; the "
@@ -82,7 +82,7 @@ def main(config, *, name: str, data_dir: str, init_dir: str, out_dir: str, check
         curve = trained["curve"]
         metrics.update(trained["metrics"], world_size=float(trained["world_size"]))
         with compute("diagnostics"):  # before the gate: a rejected candidate is gone after it
-            metrics.update(diagnose(config, stage, name, init_dir, out_dir, rows, curve, layers_path, recorder))
+            metrics.update(diagnose(config, name, init_dir, out_dir, rows, curve, layers_path, recorder))
         with compute("gate"):
             candidate = gate_evaluation(out_dir, env, config, data_dir)
         decision = decide(previous["eval"], candidate, k=config.gate.k, tolerance=config.gate.tolerance,
@@ -168,21 +168,23 @@ def refuse_audit(config_path: str, config, name: str, audited: dict) -> None:
         print(f"posttrain: WARNING: {line} (audit: warn)", flush=True)
 
 
-def filter_prompts(config, stage, env, init_dir: str, rows: list[dict]) -> tuple[list[dict], dict, tuple]:
+def filter_prompts(config, name: str, env, init_dir: str, rows: list[dict]) -> tuple[list[dict], dict, tuple]:
     """The prompts inside the pass-rate band, the filter's counts and zero-std shares, and
     the rows it sampled with their samples (none when the filter is off).
 
     A prompt whose samples are all right or all wrong gives its group zero advantage; the
     share of such prompts is the zero-std share the stage would see without the filter.
     """
-    band = stage.pass_rate_filter
+    band = config.grpo[name].pass_rate_filter
     if band.max_prompts is not None and len(rows) > band.max_prompts:
         rows = random.Random(config.seed).sample(rows, band.max_prompts)
     if not band.enabled:
         return rows, {"prompts_kept": float(len(rows)), "prompts_dropped": 0.0}, ([], [])
-    temperature = band.temperature or stage.trl.get("temperature", 1.0)
+    stage_id = StageId.grpo(name)
+    options = stage_options(config, stage_id, env)  # what the trainer samples with
+    temperature = band.temperature or option(stage_id, options, "temperature")
     rates, sampled = pass_rates(init_dir, env, rows, samples=band.samples, temperature=temperature,
-                       max_new_tokens=stage.trl.get("max_completion_length", config.evaluate.max_new_tokens),
+                       max_new_tokens=option(stage_id, options, "max_completion_length"),
                        seed=config.seed, limits=tool_limits(config), episodes_backend=config.gate.episodes_backend,
                        data=config.data)
     keep = [band.min_pass_rate < p < band.max_pass_rate for p in rates]
@@ -208,10 +210,8 @@ def train_job(config, job: dict) -> dict:
     env = config_env(config.data)
     funcs, _ = build_rewards(env, stage.rewards, stage.guardrails)
     field = StageId.grpo(name).field
-    options = {"seed": config.seed, **grpo_trl_options(stage)}
-    if is_tool_env(env):
-        options = {"max_tool_calling_iterations": getattr(env, "max_turns", None), **options}
-    args = build_trl_config(f"{field}.trl", GRPOConfig, options, output_dir=run_dir, report_to=[], run_name=name)
+    args = build_trl_config(f"{field}.trl", GRPOConfig, stage_options(config, StageId.grpo(name), env),
+                            output_dir=run_dir, report_to=[], run_name=name)
     dataset = Dataset.from_list(grpo_rows(job["rows"]))
     tokenizer, episodes = AutoTokenizer.from_pretrained(init_dir), {}
     if is_tool_env(env):  # TRL runs the episodes: one guarded instance per rollout
@@ -241,7 +241,7 @@ KL_PROMPTS, KL_SAMPLES = 16, 4
 KL_MAX_BYTES = 4 << 30  # a larger checkpoint is not loaded twice more on the stage's host for the KL figure
 
 
-def diagnose(config, stage, name: str, init_dir: str, out_dir: str, rows: list[dict], curve: list[dict],
+def diagnose(config, name: str, init_dir: str, out_dir: str, rows: list[dict], curve: list[dict],
              layers_path: str, recorder: Recorder) -> dict[str, float]:
     """Why the stage learned or did not (posttrain.training.diagnostics): the relative weight
     change of each layer (`layers_path`, a plot by layer in MLflow), the KL of the trained
@@ -258,8 +258,8 @@ def diagnose(config, stage, name: str, init_dir: str, out_dir: str, rows: list[d
     if sum(p.stat().st_size for p in Path(out_dir).glob("*.safetensors")) <= KL_MAX_BYTES:
         figures["kl_to_start"] = kl_to_start(init_dir, out_dir, [r["prompt"] for r in rows[:KL_PROMPTS]],
                                              samples=KL_SAMPLES, seed=config.seed,
-                                             max_new_tokens=stage.trl.get("max_completion_length",
-                                                                          config.evaluate.max_new_tokens))
+                                             max_new_tokens=option(StageId.grpo(name), stage_options(config, StageId.grpo(name)),
+                                                                   "max_completion_length"))  # as the stage sampled
     return figures
 
 
@@ -286,19 +286,14 @@ def record(name, metrics, decision, curve, metrics_path, curve_path, recorder: R
     write_json(curve_path, curve)
 
 
-def prompts_per_step(config, stage, stage_id) -> int:
+def prompts_per_step(config, stage_id) -> int:
     """The distinct prompts one optimizer step samples: per-device batch x processes x
     nodes x accumulation, over the generations per prompt (TRL's defaults where the
     stage's `trl:` block is silent)."""
-    import dataclasses
-
-    from trl import GRPOConfig
-
-    defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
-    option = lambda key: stage.trl.get(key, defaults[key])  # noqa: E731
-    launcher = config.stage_launcher(stage_id)
-    batch = option("per_device_train_batch_size") * launcher.processes * launcher.nodes
-    return max(1, batch * option("gradient_accumulation_steps") // option("num_generations"))
+    options, launcher = stage_options(config, stage_id), config.stage_launcher(stage_id)
+    batch = option(stage_id, options, "per_device_train_batch_size") * launcher.processes * launcher.nodes
+    return max(1, batch * option(stage_id, options, "gradient_accumulation_steps")
+               // option(stage_id, options, "num_generations"))
 
 
 def pass_through(init_dir, out_dir, metrics_path, curve_path, layers_path, recorder: Recorder, reason: str,

@@ -19,11 +19,12 @@ from posttrain.training import checkpoints
 from posttrain.capacity import fit
 from posttrain.runtime import launch
 from posttrain.chat import sft_rows, tool_ready
-from posttrain.training.trl_bridge import build_trl_config
+from posttrain.training.trl_bridge import build_trl_config, stage_options
 from posttrain.envs import config_env
 from posttrain.envs.tools import is_tool_env, tool_schemas
 from posttrain.scoring.evaluation import add_timeout_counts, check_format_contract, report_timeouts
 from posttrain.files import read_jsonl, write_json
+from posttrain.stageid import StageId
 from posttrain.layout import PARAMS_FILE, resolve_model_dir, write_card
 from posttrain.tracking.lineage import log_datasets
 from posttrain.training.stopping import StopOnTarget, carve_validation, validation_curve
@@ -105,13 +106,13 @@ def train_job(config, job: dict) -> dict:
 
     base, run_dir = job["base"], job["run_dir"]
     env = config_env(config.data)
-    tokenizer, options = AutoTokenizer.from_pretrained(base), {"seed": config.seed, **config.sft.trl}
-    tools = None
-    if is_tool_env(env):  # the gold episodes, the tool results masked out of the loss
+    tokenizer, tools = AutoTokenizer.from_pretrained(base), None
+    if is_tool_env(env):  # the gold episodes, the tool results masked out of the loss (stage_options)
         tool_ready(tokenizer)
-        tools, options = tool_schemas(env.episode), {"assistant_only_loss": True, **options}
+        tools = tool_schemas(env.episode)
     dataset = Dataset.from_list(sft_rows(job["rows"], tools))
-    args = build_trl_config("sft.trl", SFTConfig, options, output_dir=run_dir, report_to=[], run_name="sft")
+    args = build_trl_config("sft.trl", SFTConfig, stage_options(config, StageId("sft"), env), output_dir=run_dir,
+                            report_to=[], run_name="sft")
     trainer = SFTTrainer(model=base, args=args, train_dataset=dataset, processing_class=tokenizer,
                          peft_config=lora_config("sft.peft", config.sft.peft))
     counts = freeze(trainer.model, config.sft.trainable, "sft.trainable") if config.sft.trainable else {}

@@ -31,12 +31,10 @@ def check_trl_blocks(path: Path, config: PipelineConfig) -> None:
     """Check the `trl:` blocks as building SFTConfig / GRPOConfig would (`check_trl_config`),
     and build the LoRA configs from the `peft:` blocks."""
     check_optimizers(path, config)
-    blocks = [("sft", "SFTConfig", config.sft.trl, 1)] * config.sft.enabled
-    blocks += [(stage.field, "GRPOConfig", grpo_trl_options(config.grpo[stage.name]),
-                config.stage_launcher(stage).processes * config.stage_launcher(stage).nodes)
-               for stage in map(StageId.grpo, config.grpo)]
-    for field, cls_name, options, world in blocks:
-        check_trl_config(f"{path}: {field}.trl", cls_name, options, world)
+    for stage in training_stages(config):
+        launcher = config.stage_launcher(stage)
+        check_trl_config(f"{path}: {stage.field}.trl", trl_class(stage), stage_options(config, stage),
+                         launcher.processes * launcher.nodes if stage.kind == "grpo" else 1)
     for stage in training_stages(config):
         options = config.stage_section(stage).peft
         if options is not None:
@@ -101,6 +99,31 @@ def build_lora_config(where: str, options: dict):
         return LoraConfig(**options)
     except (ValueError, TypeError) as err:
         raise UserError(where, " ".join(str(err).split())[:300], "adjust the LoRA options as the message says") from None
+
+
+def stage_options(config: PipelineConfig, stage: StageId, env=None) -> dict:
+    """The options training stage `stage` builds its TRL config (SFTConfig / GRPOConfig) from,
+    made in this one place: its `trl:` block, the run's seed, what a GRPO stage's reward
+    channels imply (`grpo_trl_options`) and, given the built environment `env`, what a tool
+    environment needs. The trainer builds TRL's object from them (`build_trl_config`); the
+    config check, the memory fit and the pass-rate filter read them, with TRL's own default
+    where they are silent (`option`)."""
+    from posttrain.envs.tools import is_tool_env
+
+    tools = env is not None and is_tool_env(env)
+    if stage.kind == "sft":  # a tool episode's results are masked out of the loss
+        return {"seed": config.seed, **({"assistant_only_loss": True} if tools else {}), **config.sft.trl}
+    options = {"seed": config.seed, **grpo_trl_options(config.grpo[stage.name])}
+    return {"max_tool_calling_iterations": getattr(env, "max_turns", None), **options} if tools else options
+
+
+def trl_class(stage: StageId) -> str:
+    return "SFTConfig" if stage.kind == "sft" else "GRPOConfig"
+
+
+def option(stage: StageId, options: dict, key: str):
+    """Option `key` of the stage's TRL options (`stage_options`), TRL's default where they are silent."""
+    return options[key] if key in options else trl_fields.default(trl_class(stage), key)
 
 
 def grpo_trl_options(stage: GRPOStage) -> dict:
