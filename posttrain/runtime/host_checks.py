@@ -179,7 +179,8 @@ def vllm_problem(trl: dict, *, cuda: bool, vllm: str | None, supported: str,
         url = option("vllm_server_base_url") or f"http://{option('vllm_server_host')}:{option('vllm_server_port')}"
         problem = http_problem(f"{url.rstrip('/')}/health", timeout)  # what TRL's VLLMClient polls
         if problem:
-            return ("vllm_server_base_url" if option("vllm_server_base_url") else "vllm_server_host", f"the vLLM server {show(url)} does not answer ({problem})", "start it first (`trl "
+            named = "vllm_server_base_url" if option("vllm_server_base_url") else "vllm_server_host"
+            return (named, f"the vLLM server {show(url)} does not answer ({problem})", "start it first (`trl "
                     "vllm-serve --model MODEL`, infra/slurm/train.sbatch) or correct the URL")
     return None
 

@@ -256,10 +256,10 @@ def diagnose(config, name: str, init_dir: str, out_dir: str, rows: list[dict], c
     plot_layers(layers, name, recorder)
     figures = {**change_figures(layers), "gradient_share": gradient_share(curve)}
     if sum(p.stat().st_size for p in Path(out_dir).glob("*.safetensors")) <= KL_MAX_BYTES:
+        stage_id = StageId.grpo(name)
+        length = option(stage_id, stage_options(config, stage_id), "max_completion_length")  # as the stage sampled
         figures["kl_to_start"] = kl_to_start(init_dir, out_dir, [r["prompt"] for r in rows[:KL_PROMPTS]],
-                                             samples=KL_SAMPLES, seed=config.seed,
-                                             max_new_tokens=option(StageId.grpo(name), stage_options(config, StageId.grpo(name)),
-                                                                   "max_completion_length"))  # as the stage sampled
+                                             samples=KL_SAMPLES, seed=config.seed, max_new_tokens=length)
     return figures
 
 
