@@ -13,6 +13,7 @@ from pathlib import Path
 from posttrain import cli
 from posttrain.errors import UserError
 from posttrain.layout import PARAMS_FILE
+from tasks.checks import check_incoming, quick_nothing_to_do, servers_and_config
 
 
 def add_flow_commands(sub) -> None:
@@ -94,7 +95,7 @@ def run_checked_workspace(args, workdir: str) -> None:
 
     config_path = args.config or os.path.join(workdir, PARAMS_FILE)
     check_incoming(workdir, config_path)  # cheap checks first: bad new rows are refused before TRL is imported
-    servers_and_config("run", config_path, temporary_prefect=True)
+    servers_and_config("run", config_path, temporary_prefect=True, meanwhile=checked_meanwhile)
     if args.config and not Path(workdir, "dvc.yaml").is_file():
         with contextlib.suppress(UserError):  # another run created it meanwhile: both run in it, in turn
             workspace.create(workdir, read_config_dict(Path(args.config)))
@@ -117,87 +118,6 @@ def run_checked_workspace(args, workdir: str) -> None:
         ephemeral_api.bind_to_process()  # Prefect's temporary API server ends with this process, kill -9 included
         ephemeral_api.announce()  # the input is accepted: Prefect's lines about its server are shown
         retrain(workdir=workdir, checked=True)
-
-
-def check_incoming(workdir: str, config_path: str) -> None:
-    """The rows waiting in incoming/, judged by the config's environment (checked first):
-    UserError on a bad row, and on what the environment's own code raises (one line naming
-    it and its frame). Nothing is read when nothing waits."""
-    from posttrain import ingest, preflight
-    from posttrain.config import load_config
-    from posttrain.plugins import plugin_refusal, workspace
-
-    if not ingest.pending(workdir):
-        return
-    config = load_config(config_path)
-    with workspace(workdir):  # the config's paths and imports (custom/) are the workspace's
-        env, splits = preflight.environment(Path(config_path), config)  # its data generated once
-        with plugin_refusal(f"{config_path}: data.env", config.data.env):
-            ingest.validate(workdir, env, ingest.heldout_prompts(splits))
-
-
-def quick_nothing_to_do(workdir: str) -> str | None:
-    """"Nothing to do" when the workspace is exactly a finished retrain run's (no new data,
-    DVC finds every stage up to date, a finished run recorded this dvc.lock and params file):
-    before the full check (which imports TRL) and before Prefect's temporary server starts,
-    the seconds a no-op run would spend. That params file passed the full check when the
-    run it matches ran. The workspace's record of its last finished run answers without
-    MLflow (posttrain.tracking.mlflow_runs.recorded_finish); without one, the MLflow store
-    does (and what a killed run left RUNNING is marked). None, and the full path decides,
-    when anything differs or cannot be read here, or the tracking store is a server that
-    does not answer at once (MLflow's client would retry for minutes)."""
-    from posttrain import ingest
-    from posttrain.config import PipelineConfig, read_config_dict
-    from posttrain.tracking.mlflow_runs import nothing_to_do, recorded_finish, tracking_uri
-
-    try:
-        if not Path(workdir, "dvc.yaml").is_file() or ingest.pending(workdir):
-            return None
-        config = PipelineConfig.model_validate(read_config_dict(Path(workdir, PARAMS_FILE)))
-        uri = tracking_uri(config, workdir)
-        found = recorded_finish(workdir, uri) or finished_in_store(workdir, config, uri)
-    except Exception:  # noqa: BLE001 - any doubt: the full path checks and reports it
-        return None
-    return nothing_to_do(*found, uri) if found else None
-
-
-def finished_in_store(workdir: str, config, uri: str) -> tuple[str, str] | None:
-    """The finished run the tracking store holds for this state (a workspace without a
-    record of it): marks what a killed run left RUNNING (under the lock, as the flow
-    does), and records it for the next run."""
-    from posttrain.probe import http_problem
-    from posttrain.tracking.mlflow_runs import finished_run, record_finished
-
-    if uri.startswith(("http://", "https://")) and http_problem(uri.rstrip("/") + "/health", 2.0):
-        return None
-    found = finished_run(workdir, config, uri)
-    if found:
-        from posttrain.tracking import dead_runs
-
-        dead_runs.mark_dead_runs(uri, os.path.abspath(workdir), f"process {os.getpid()} (posttrain run: nothing to do)")
-        record_finished(workdir, *found, uri)
-    return found
-
-
-def servers_and_config(command: str, config_path: str, *, temporary_prefect: bool):
-    """The config, checked whole (tasks.checks), once the MLflow and Prefect servers the
-    command will use have answered: those the environment names first (a dead one costs
-    minutes of retries later, after the workspace is written), then those of the config
-    and the Prefect profile."""
-    from posttrain.config import load_config
-    from posttrain.probe import check_prefect, check_tracking, profile_api_url
-
-    env_tracking, env_prefect = os.environ.get("MLFLOW_TRACKING_URI"), os.environ.get("PREFECT_API_URL")
-    check_tracking(env_tracking, command=command)
-    check_prefect(env_prefect, command=command, temporary_ok=temporary_prefect)
-    config = load_config(config_path)
-    if command != "run" or checked_meanwhile(config_path) is None:  # by the run's stage host, else here
-        cli.full_check(config_path, here=True)  # every training stage fits training.gpu: before any server or compute
-    if not env_tracking:
-        check_tracking(config.tracking.uri, command=command, source=f"tracking.uri in {config_path}")
-    if not env_prefect:
-        check_prefect(profile_api_url(), command=command, temporary_ok=temporary_prefect)
-    return config
 
 
 def checked_meanwhile(config_path: str) -> str | None:

@@ -165,3 +165,13 @@ def test_the_retrain_flow_only_chains_tasks():
     found = imported("flows.retrain", REPO / "flows" / "retrain.py", modules())
     assert sorted(name for name in found if name.split(".")[0] == "posttrain") == []
     assert {name.split(".")[0] for name in found} <= {"__future__", "pathlib", "prefect", "flows", "tasks"}
+
+
+def test_the_commands_flow_side_reaches_the_library_through_the_cli_and_tasks():
+    """flows/cli.py (`posttrain run`, `serve`, `replay`) parses arguments and starts flows; what
+    a run checks before its flow starts (incoming rows, servers, whether anything is to do)
+    lives in tasks/checks.py. Of the library it imports the CLI it extends, the config reader
+    and the workspace it creates, and the names of errors and files."""
+    found = imported("flows.cli", REPO / "flows" / "cli.py", modules())
+    assert sorted(name for name in found if name.split(".")[0] == "posttrain") == [
+        "posttrain.cli", "posttrain.config", "posttrain.errors", "posttrain.layout", "posttrain.workspace"]
