@@ -9,6 +9,7 @@ the servers, and whether the run has anything to do at all.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from posttrain.runtime import stagehost
@@ -103,7 +104,8 @@ def finished_in_store(workdir: str, config, uri: str) -> tuple[str, str] | None:
     return found
 
 
-def servers_and_config(command: str, config_path: str, *, temporary_prefect: bool, meanwhile=None):
+def servers_and_config(command: str, config_path: str, *, temporary_prefect: bool,
+                       meanwhile: Callable[[str], str | None] | None = None):
     """The config, checked whole (`posttrain check`), once the MLflow and Prefect servers the
     command will use have answered: those the environment names first (a dead one costs
     minutes of retries later, after the workspace is written), then those of the config
